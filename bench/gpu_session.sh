@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One batched session on a lent GPU machine (device time is scarce): GPU tests, both benchmarks and a
+# GPU smoke run of the three CLIs on a tiny target. Every step runs even if an earlier one failed;
+# results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
+# .carry/wheels (see bench/README.md).
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train extract smoke
+set -u
+OUT=${OUT:?set OUT to a results folder}
+export PYTHONUNBUFFERED=1
+steps=${*:-env tests train extract smoke}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/wheels/*.whl \
+  && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . \
+  || { echo "install failed"; exit 1; }
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+status=0
+
+step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, record the exit code
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || status=1
+}
+
+for s in $steps; do
+  case $s in
+    env) step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton, transformers, zarr; print(torch.__version__, triton.__version__, transformers.__version__, zarr.__version__, torch.cuda.get_device_name())"; nproc; df -h /tmp | tail -1' ;;
+    tests) step tests 240 python3 -m pytest tests/gpu -q -s -p no:cacheprovider ;;
+    train) step bench_train 240 python3 -m bench.train --scratch /tmp/bench_train --json "$OUT/train.json" ;;
+    extract) step bench_extract 240 python3 -m bench.extract --out-dir /tmp/bench_extract --json "$OUT/extract.json" ;;
+    smoke) step smoke 240 bash -c '
+      set -e; d=/tmp/smoke; rm -rf $d
+      python3 -c "from dflash.data.tiny_target import build_tiny_target as b; b(\"$0/target\", num_layers=6, hidden=128)" $d
+      dflash-extract --target $d/target --data data/sample/conversations.jsonl --out $d/store --gpus 0 --max-length 512
+      dflash-train --store $d/store --out $d/train --gpus 0 --num-layers 2 --block-size 8 --pack-tokens 2048 \
+        --num-blocks 128 --max-steps 60 --eval-every 30 --checkpoint-every 30 --lr 2e-3
+      dflash-eval --target $d/target --drafter $d/train/drafter --prompts data/sample/conversations.jsonl \
+        --limit 8 --max-new-tokens 64 --device cuda --dtype float32 --json '"$OUT"'/smoke_eval.json
+      tail -n 3 $d/train/metrics.jsonl' ;;
+    *) echo "unknown step $s"; status=1 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,189 @@
+"""Stage-two throughput on one GPU: the drafter step with three attention paths, and the data loader.
+
+Drafter for a Qwen3-8B-shaped target (hidden 4096, 32/8 heads, MLP 12288, vocab 151936, 5 target
+layers), 4096-token packs with 256 blocks of 16 (Q = 4096 block tokens, KV = 4096 + 4096). One
+training step = drafter forward, chunked weighted CE through the frozen LM head, backward, AdamW.
+Compared in the same run: compiled flex_attention (the trainer's path), dense-mask SDPA, and
+uncompiled flex. MFU counts matmul FLOPs (fwd x3 for trained weights, x2 for the frozen LM head)
+against a bf16 matmul rate measured here. The loader is timed on a real on-disk store of random
+bf16 features through the trainer's DataLoader and compared with the packs/s the step consumes.
+
+    python -m bench.train --scratch /tmp/bench_train --json result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.extract import matmul_tflops, qwen3_8b_config
+from dflash.shared.blocks import default_gamma
+from dflash.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
+from dflash.train.dataset import PackDataset, PackSpec, make_loader
+from dflash.train.packing import plan_packs
+from dflash.train.step import pack_loss, to_device
+
+S, N, B = 4096, 256, 16
+
+
+def synthetic_batch(width: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One pack of four documents with dense anchors, built by the trainer's own code."""
+    from dflash.shared.blocks import build_blocks, sample_anchors
+
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.empty(S, dtype=torch.long)
+    pos = torch.empty(S, dtype=torch.long)
+    mask = torch.zeros(S, dtype=torch.bool)
+    anchors = []
+    for d in range(4):
+        sl = slice(d * S // 4, (d + 1) * S // 4)
+        doc[sl], pos[sl] = d, torch.arange(S // 4)
+        mask[sl.start + 200 : sl.stop] = True
+        anchors.append(sample_anchors(mask[sl], N // 4, g) + sl.start)
+    ids = torch.randint(0, vocab, (S,), generator=g)
+    blocks = build_blocks(ids, doc, pos, mask, torch.cat(anchors), N, B, vocab - 1)
+    hidden = (torch.randn(S, width, generator=g) * 0.5).to(torch.bfloat16)
+    batch = {"context_hidden": hidden, "context_doc": doc, "context_positions": pos, **blocks}
+    return {k: v[None] for k, v in batch.items()}
+
+
+def step_flops(cfg: DFlashConfig, batch) -> float:
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    Q = batch["block_ids"].shape[1]
+    labeled = int((batch["labels"] != -100).sum())
+    visible_ctx = float((batch["anchor_pos"] * batch["block_valid"]).sum()) * B  # context keys seen, summed
+    fc = 2 * S * cfg.context_width * h
+    per_layer = 2 * S * 2 * h * kv + 2 * Q * (2 * h * q + 2 * h * kv + 3 * h * i) + 2 * 2 * q * (visible_ctx + Q * B)
+    trained = fc + cfg.num_hidden_layers * per_layer
+    head = 2 * labeled * h * cfg.vocab_size
+    return 3 * trained + 2 * head
+
+
+def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> float:
+    model.attention_backend = backend
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def one():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss_sum, weight, _ = pack_loss(model, head, batch, backend, gamma)
+        (loss_sum / weight).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        one()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
+
+
+def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: int) -> None:
+    """A complete on-disk store of random features, written by the real writer and manifest code."""
+    from dflash.shared import manifest as mf
+    from dflash.shared.store import StoreWriter
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(mean_len // 2, mean_len * 3 // 2, samples)
+    w = StoreWriter(root, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=int(lengths.sum()),
+                    capacity_samples=samples, overwrite=True)
+    for i, L in enumerate(lengths):
+        hidden = torch.from_numpy(rng.standard_normal((L, width), dtype=np.float32)).to(torch.bfloat16)
+        ids = rng.integers(0, vocab, L).astype(np.int32)
+        mask = np.zeros(L, np.uint8)
+        mask[L // 4 :] = 1
+        w.append_batch([(i, ids, mask, hidden)])
+    shard = w.finalize()
+    m = mf.new_manifest(target={"name_or_path": "synthetic", "architecture": "Qwen3ForCausalLM", "config_hash": "x",
+                                "num_layers": 36, "hidden_size": width // 5, "vocab_size": vocab,
+                                "layer_ids": [1, 9, 17, 25, 33]},
+                        hidden_dtype="bfloat16", tokenizer_fingerprint="x", data={"paths": [], "fingerprint": "x"},
+                        settings={}, world_size=1)
+    mf.write_manifest(root, m)
+    mf.mark_complete(root, mf.load_manifest(root), shards=[shard], weights_fingerprint="x", counts={})
+
+
+def loader_rate(root: Path, workers: int, packs: int) -> float:
+    from dflash.shared.store import FeatureStore
+
+    store = FeatureStore(root)
+    plan = plan_packs(np.arange(len(store)), np.asarray(store.lengths), S, 0, 0)
+    plan = (plan * (packs // len(plan) + 1))[:packs]
+    ds = PackDataset(str(root), plan, PackSpec(S, N, B, 0, 512), 0, 0)
+    loader = make_loader(ds, 1, 0, workers, pin=True)
+    it = iter(loader)
+    first = next(it)  # worker start-up is not what a long run pays per step
+    to_device(first, torch.device("cuda"))
+    t = time.perf_counter()
+    n = 0
+    for batch in it:
+        to_device(batch, torch.device("cuda"))
+        n += 1
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scratch", required=True)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=5, help="drafter decoder layers")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--loader-workers", type=int, default=6)
+    ap.add_argument("--skip-eager", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    target = qwen3_8b_config(36)
+    cfg = DFlashConfig.for_target(target.to_dict(), [1, 9, 17, 25, 33], mask_token_id=target.vocab_size - 1,
+                                  num_layers=args.layers, block_size=B)
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg).to(device)
+    head = TargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
+                      torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02)
+    batch = to_device(synthetic_batch(cfg.context_width, cfg.vocab_size), device)
+    gamma = default_gamma(B)
+    peak = matmul_tflops(device)
+    flops = step_flops(cfg, batch)
+    result = {"drafter_layers": args.layers, "pack_tokens": S, "blocks": N, "block_size": B,
+              "matmul_tflops": peak, "step_tflop": flops / 1e12}
+    from dflash.shared.attention import CompileCounter
+
+    backends = ["flex_compiled", "sdpa_dense"] + ([] if args.skip_eager else ["flex_eager"])
+    for backend in backends:
+        with CompileCounter() as counter:
+            try:
+                sec = time_steps(model, head, batch, backend, gamma, args.steps if backend != "flex_eager" else 3)
+            except torch.OutOfMemoryError as exc:
+                result[backend] = {"error": f"OOM: {str(exc).splitlines()[0]}"}
+                torch.cuda.empty_cache()
+                continue
+        result[backend] = {"step_s": sec, "context_tokens_per_s": S / sec, "mfu": flops / sec / (peak * 1e12),
+                           "graphs_compiled": counter.count}
+        torch.cuda.empty_cache()
+    fc = result["flex_compiled"]["step_s"]
+    for other in ("sdpa_dense", "flex_eager"):
+        if "step_s" in result.get(other, {}):
+            result[f"compiled_flex_speedup_vs_{other}"] = result[other]["step_s"] / fc
+    scratch = Path(args.scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    synthetic_store(scratch / "store", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500)
+    packs_per_s = loader_rate(scratch / "store", args.loader_workers, packs=40)
+    result["loader"] = {"workers": args.loader_workers, "packs_per_s": packs_per_s,
+                        "consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

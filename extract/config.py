@@ -1,0 +1,44 @@
+"""Settings of one extraction run (picklable: every worker process gets a copy)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    target: str
+    data: tuple[str, ...]
+    out: str
+    layers: str | None = None  # "1,9,17" or None for the reference default
+    max_length: int = 3072
+    batch_tokens: int = 16384
+    max_batch_size: int = 64
+    skip_bad: bool = False
+    limit: int | None = None  # use only the first N records (smoke runs)
+    device: str = "cuda"  # "cuda" or "cpu"
+    gpus: tuple[int, ...] = ()  # physical GPU ids, one process each
+    workers: int = 1  # processes on CPU
+    dtype: str = "auto"  # compute dtype: auto = bf16 on GPU, fp32 on CPU
+    store_dtype: str = "bfloat16"
+    compression: str | None = None  # None: the store's measured default
+    chunk_tokens: int | None = None
+    shard_tokens: int | None = None
+    overwrite: bool = False
+    regenerate: dict | None = field(default=None)  # reply regeneration settings (issue 3)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.gpus) if self.device == "cuda" else self.workers
+
+    def data_settings(self) -> dict:
+        """What, besides the input bytes, decides which tokens are stored."""
+        return {
+            "max_length": self.max_length,
+            "skip_bad": self.skip_bad,
+            "limit": self.limit,
+            "regenerate": self.regenerate,
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,241 @@
+"""One extraction process: owns one rank's samples, one device and one store shard.
+
+Per batch the forward of batch i is queued on the GPU before batch i-1 is written, so the
+(asynchronous) device computes while this process compresses and writes; no threads of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dflash.data.records import ReadStats, iter_records
+from dflash.data.tokenize import TokenizedSample, tokenize_record
+from dflash.extract.config import ExtractConfig
+from dflash.extract.plan import BatchPlan, owns, padded_fraction, plan_batches
+from dflash.extract.target import (
+    HiddenStateCapture,
+    drop_unused_modules,
+    forward_hidden_states,
+    load_truncated_target,
+)
+from dflash.shared.store import StoreWriter
+
+
+@dataclass
+class RankSummary:
+    rank: int
+    samples: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    skipped: dict = field(default_factory=dict)
+    resumed_batches: int = 0
+    batches: int = 0
+    padding: float = 0.0
+    seconds: float = 0.0
+    computed_tokens: int = 0  # tokens run through the target in this invocation
+    regenerated: dict | None = None  # RegenerateStats of --regenerate
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def compute_dtype(cfg: ExtractConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_owned_samples(
+    cfg: ExtractConfig, tokenizer, rank: int, world_size: int, device: torch.device
+) -> tuple[list[TokenizedSample], RankSummary, ReadStats]:
+    """Read every input record, regenerate replies if asked, tokenize the records this rank owns."""
+    summary = RankSummary(rank=rank)
+    stats = ReadStats()
+    records = []
+    index = 0
+    for path in cfg.data:
+        for record in iter_records(path, skip_bad=cfg.skip_bad, stats=stats):
+            if cfg.limit is not None and index >= cfg.limit:
+                break
+            if owns(index, rank, world_size):
+                records.append((index, record))
+            index += 1
+    if cfg.regenerate is not None:
+        records = regenerate_owned(cfg, records, tokenizer, rank, device, summary)
+    samples = [s for index, record in records if (s := tokenize_one(record, tokenizer, cfg, index, summary)) is not None]
+    return samples, summary, stats
+
+
+def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, device: torch.device, summary: RankSummary) -> list:
+    """The owned records with the target's own replies (`--regenerate`); the full target is loaded
+    only while generating and freed before extraction loads its truncated copy."""
+    from dflash.extract.regenerate import RegenerateSettings, cache_path, regenerate_records
+    from dflash.extract.target import load_full_target
+
+    loaded = []
+
+    def load_model():
+        loaded.append(load_full_target(cfg.target, device=device, dtype=compute_dtype(cfg, device)))
+        return loaded[-1]
+
+    settings = RegenerateSettings.from_dict(cfg.regenerate)
+    regenerated, stats = regenerate_records([r for _, r in records], load_model, tokenizer, settings,
+                                            max_length=cfg.max_length, cache=cache_path(Path(cfg.out), rank), rank=rank)
+    summary.regenerated = stats.to_dict()
+    loaded.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return [(index, record) for (index, _), record in zip(records, regenerated)]
+
+
+def tokenize_one(record, tokenizer, cfg: ExtractConfig, index: int, summary: RankSummary):
+    from dflash.data import DataError
+
+    try:
+        sample = tokenize_record(record, tokenizer, cfg.max_length)
+    except DataError as exc:
+        if not cfg.skip_bad:
+            raise
+        reason = getattr(exc, "reason", "tokenize")
+        summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
+        return None
+    summary.truncated += int(sample.truncated)
+    return TokenizedSample(index, sample.input_ids, sample.loss_mask, sample.truncated)
+
+
+def pad_batch(samples: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, S] and the flat positions of real tokens in the [B*S] view."""
+    longest = max(len(s.input_ids) for s in samples)
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+    flat = []
+    for row, s in enumerate(samples):
+        ids[row, : len(s.input_ids)] = torch.from_numpy(s.input_ids.astype(np.int64))
+        flat.append(torch.arange(len(s.input_ids)) + row * longest)
+    return ids, torch.cat(flat)
+
+
+class BatchRunner:
+    """Runs batches through the truncated target and hands the states to the store writer."""
+
+    def __init__(self, model, layer_ids: list[int], device: torch.device, store_dtype: torch.dtype, pad_id: int):
+        self.model = model
+        self.capture = HiddenStateCapture(model, layer_ids)
+        self.device = device
+        self.store_dtype = store_dtype
+        self.pad_id = pad_id
+        self.pin = device.type == "cuda"
+
+    @torch.inference_mode()
+    def launch(self, samples: list[TokenizedSample]):
+        """Queue the forward and the device->host copy; returns what `finish` needs."""
+        ids, flat = pad_batch(samples, self.pad_id)
+        if self.pin:
+            ids, flat = ids.pin_memory(), flat.pin_memory()
+        ids = ids.to(self.device, non_blocking=True)
+        flat = flat.to(self.device, non_blocking=True)
+        states = forward_hidden_states(self.model, self.capture, ids)
+        rows = torch.cat(states, dim=-1).flatten(0, 1).index_select(0, flat).to(self.store_dtype)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.pin)
+        host.copy_(rows, non_blocking=self.pin)
+        event = None
+        if self.pin:
+            event = torch.cuda.Event()
+            event.record()
+        return samples, host, event
+
+    @staticmethod
+    def finish(pending, writer: StoreWriter) -> int:
+        samples, host, event = pending
+        if event is not None:
+            event.synchronize()
+        batch, start = [], 0
+        for s in samples:
+            n = len(s.input_ids)
+            batch.append((s.index, s.input_ids, s.loss_mask, host[start : start + n]))
+            start += n
+        writer.append_batch(batch)
+        return start
+
+
+def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.device, layer_ids: list[int]) -> RankSummary:
+    """Extract this rank's share into its store shard; resumes from the last committed batch."""
+    from dflash.extract.assets import export_target_assets, load_tokenizer, target_assets_ready
+    from dflash.extract.target import load_target_config, text_config
+
+    started = time.perf_counter()
+    root = Path(cfg.out)
+    tokenizer = load_tokenizer(cfg.target)
+    samples, summary, read_stats = load_owned_samples(cfg, tokenizer, rank, world_size, device)
+    lengths = [len(s.input_ids) for s in samples]
+    plan = plan_batches(lengths, cfg.batch_tokens, cfg.max_batch_size)
+    summary.batches = len(plan.batches)
+    summary.padding = padded_fraction(lengths, plan)
+    summary.samples, summary.tokens = len(samples), sum(lengths)
+    summary.skipped.update({f"read:{k}": v for k, v in read_stats.skipped.items()} if rank == 0 else {})
+
+    needs_export = rank == 0 and not target_assets_ready(root)
+    model = None
+    target_config = load_target_config(cfg.target)
+    hidden_size = text_config(target_config).hidden_size
+    writer = StoreWriter(
+        root,
+        rank,
+        hidden_width=hidden_size * len(layer_ids),
+        hidden_dtype=cfg.store_dtype,
+        capacity_tokens=max(1, summary.tokens),
+        capacity_samples=max(1, summary.samples),
+        **{k: v for k, v in (("compression", cfg.compression), ("chunk_tokens", cfg.chunk_tokens), ("shard_tokens", cfg.shard_tokens)) if v is not None},
+    )
+    done = writer.resume()
+    summary.resumed_batches = done
+    todo = plan.batches[done:]
+    if todo or needs_export:
+        model = load_truncated_target(cfg.target, layer_ids, device=device, dtype=compute_dtype(cfg, device))
+        if needs_export:
+            export_target_assets(model, tokenizer, target_config, root)
+        drop_unused_modules(model)
+    if todo:
+        summary.computed_tokens = run_batches(model, tokenizer, samples, todo, layer_ids, device, cfg, writer, rank)
+    writer.finalize()
+    summary.seconds = time.perf_counter() - started
+    write_rank_summary(root, summary)
+    return summary
+
+
+def run_batches(model, tokenizer, samples, batches, layer_ids, device, cfg, writer, rank) -> int:
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    runner = BatchRunner(model, layer_ids, device, getattr(torch, cfg.store_dtype), pad_id)
+    total = sum(len(samples[i].input_ids) for b in batches for i in b)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0, dynamic_ncols=True)
+    pending, written = None, 0
+    try:
+        for batch in batches:
+            current = runner.launch([samples[i] for i in batch])
+            if pending is not None:
+                n = runner.finish(pending, writer)
+                written += n
+                bar.update(n)
+            pending = current
+        if pending is not None:
+            n = runner.finish(pending, writer)
+            written += n
+            bar.update(n)
+    finally:
+        bar.close()
+        runner.capture.close()
+    return written
+
+
+def write_rank_summary(root: Path, summary: RankSummary) -> None:
+    path = root / "shards" / f"rank-{summary.rank:05d}.summary.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary.to_dict(), indent=1))
+    os.replace(tmp, path)

@@ -1,0 +1,625 @@
+"""The DFlash drafter (Qwen3-style `DFlashDraftModel`), its config, and the frozen target head.
+
+Architecture (as the z-lab/dflash reference): `fc` (Linear n_layers*hidden -> hidden, no bias) and
+`hidden_norm` turn the concatenated target hidden states of the context into one context feature;
+each decoder layer takes queries from the block tokens only and keys/values from the context
+feature AND the block tokens (context first), with per-head q_norm/k_norm, RoPE at the real
+positions, a SwiGLU MLP and pre-norm residuals; a final `norm`. Only the block runs through the
+layers: the context enters every layer as the same projected feature, so at inference its per-layer
+k/v can be cached (`DrafterCache`, `forward_step`).
+
+Files (`save_pretrained`): `config.json` in the reference's layout (`architectures:
+["DFlashDraftModel"]`, `model_type: "qwen3"`, `is_causal: false`, `dflash_config`, `num_target_layers`,
+`layer_types`) and `model.safetensors` with exactly the reference's key names (`fc.weight`,
+`hidden_norm.weight`, `layers.{i}.…`, `norm.weight`). Differences from the reference layout:
+none in the files. In code, `forward` takes the attention mask explicitly (a flex `BlockMask` or a
+dense bool mask) instead of building one, and the frozen target pieces live in `TargetHead`
+(`target_head.safetensors` in the store's `target/` folder), never in the drafter's weights, as the
+reference, which borrows them from the live target, expects.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, safe_open, save_file
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from dflash.shared import attention as attn
+from dflash.shared.blocks import compute_logits
+
+__all__ = [
+    "DFlashConfig", "DFlashDrafter", "DrafterCache", "TargetHead", "compute_logits", "default_target_layer_ids",
+]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+HEAD_FILE = "target_head.safetensors"
+BACKENDS = ("flex_compiled", "flex_eager", "sdpa_dense")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
+    """Target layers whose outputs feed the drafter: `n` evenly spaced from 1 to L-3, rounded as the
+    released drafters (52 layers -> 1, 13, 25, 37, 49; 36 -> 1, 9, 17, 25, 33); one layer -> L // 2.
+
+    Targets too small for n distinct layers in [1, L-3] use [1, L-2] (the last layer is avoided:
+    HF replaces its hidden state by the final-normed one), and fewer than n ids if even that is
+    too narrow: 4 layers -> [1, 2]; 2 or 3 layers -> [1]; 1 layer -> [0].
+    """
+    if num_target_layers < 1 or n < 1:
+        raise ValueError(f"need at least one target layer and one id, got {num_target_layers} layers, n={n}")
+    if n == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, num_target_layers - 3
+    if hi - lo + 1 < n:
+        lo = min(1, num_target_layers - 1)
+        hi = max(lo, num_target_layers - 2)
+    count = min(n, hi - lo + 1)
+    if count == 1:
+        return [lo]
+    ids = [int(round(lo + i * (hi - lo) / (count - 1))) for i in range(count)]
+    return sorted(set(ids))
+
+
+@dataclass
+class DFlashConfig:
+    """Drafter hyper-parameters; `to_hf_dict`/`from_hf_dict` map to the reference config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_hidden_layers: int = 5
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_parameters: dict[str, Any] | None = None  # HF 5.x form; default {"rope_type": "default", "rope_theta": ...}
+    max_position_embeddings: int = 40960
+    block_size: int = 16
+    sliding_window: int | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+    attention_bias: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on round trip
+
+    def __post_init__(self) -> None:
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        else:
+            self.rope_parameters = copy.deepcopy(dict(self.rope_parameters))
+            self.rope_parameters.setdefault("rope_type", "default")
+            self.rope_theta = float(self.rope_parameters.setdefault("rope_theta", float(self.rope_theta)))
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.attention_bias:
+            raise ValueError("attention_bias=True is not supported (the released drafters have none)")
+
+    @property
+    def context_width(self) -> int:
+        """Width of the stored context feature: n_layers * hidden."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json as the reference (`DFlashDraftModel` on a `Qwen3Config`) loads it."""
+        window = self.sliding_window
+        dflash: dict[str, Any] = {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "output_multiplier": self.output_multiplier,
+            "input_embedding_scale": self.input_embedding_scale,
+        }
+        if self.final_logit_softcapping is not None:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        out: dict[str, Any] = dict(self.extra)
+        out.update({
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "is_causal": False,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": copy.deepcopy(self.rope_parameters),
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,  # older reference versions read it here, newer in dflash_config
+            "layer_types": ["sliding_attention" if window else "full_attention"] * self.num_hidden_layers,
+            "use_sliding_window": bool(window),
+            "sliding_window": window,
+            "max_window_layers": self.num_hidden_layers,
+            "tie_word_embeddings": False,
+            "use_cache": False,
+            "initializer_range": 0.02,
+            "dflash_config": dflash,
+        })
+        return out
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        """Inverse of `to_hf_dict`; `dflash_config` values win over top-level ones (as the reference)."""
+        dflash = d.get("dflash_config") or {}
+
+        def value(name: str, default: Any = None) -> Any:
+            return dflash.get(name, d.get(name, default))
+
+        missing = [k for k in ("target_layer_ids", "mask_token_id") if value(k) is None]
+        missing += [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"drafter config lacks {', '.join(missing)}")
+        heads = d["num_attention_heads"]
+        window = d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window") is not None) else None
+        layer_types = d.get("layer_types")
+        if layer_types and "sliding_attention" not in layer_types:
+            window = None
+        known = {f.name for f in fields(cls)} | {
+            "architectures", "model_type", "is_causal", "attention_dropout", "hidden_act", "layer_types",
+            "use_sliding_window", "max_window_layers", "tie_word_embeddings", "use_cache", "initializer_range",
+            "dflash_config", "dtype", "torch_dtype", "transformers_version", "rope_scaling",
+        }
+        return cls(
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            vocab_size=d["vocab_size"],
+            num_target_layers=d.get("num_target_layers", 0),
+            mask_token_id=int(value("mask_token_id")),
+            target_layer_ids=list(value("target_layer_ids")),
+            num_hidden_layers=d.get("num_hidden_layers", 5),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0),
+            rope_parameters=d.get("rope_parameters"),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            block_size=int(value("block_size", 16)),
+            sliding_window=window,
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=value("final_logit_softcapping"),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config: Any,
+        layer_ids: list[int],
+        *,
+        mask_token_id: int,
+        num_layers: int = 5,
+        block_size: int = 16,
+        **overrides: Any,
+    ) -> "DFlashConfig":
+        """A drafter shaped like the target (hidden size, heads, head_dim, MLP width, RoPE, eps,
+        vocab), as the released drafters are. `target_config`: HF config object or its dict."""
+        if isinstance(target_config, dict):
+            t = dict(target_config)
+        else:
+            text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+            t = text.to_dict()
+        n_layers = t["num_hidden_layers"]
+        bad = [i for i in layer_ids if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"target layer ids {bad} outside the target's {n_layers} layers")
+        heads = t["num_attention_heads"]
+        rope = t.get("rope_parameters")
+        if not rope:  # transformers 4.x form
+            rope = dict(t.get("rope_scaling") or {})
+            rope.setdefault("rope_type", rope.pop("type", "default"))
+            rope["rope_theta"] = float(t.get("rope_theta", 10_000.0))
+        values: dict[str, Any] = dict(
+            hidden_size=t["hidden_size"],
+            intermediate_size=t["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=t.get("num_key_value_heads") or heads,
+            head_dim=t.get("head_dim") or t["hidden_size"] // heads,
+            vocab_size=t["vocab_size"],
+            num_target_layers=n_layers,
+            mask_token_id=mask_token_id,
+            target_layer_ids=list(layer_ids),
+            num_hidden_layers=num_layers,
+            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+            rope_parameters=rope,
+            max_position_embeddings=t.get("max_position_embeddings", 40960),
+            block_size=block_size,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for position ids, the reference's (transformers' Qwen3) RoPE for any static
+    HF rope_type. inv_freq stays fp32 whatever dtype the model is cast to (a bf16 inv_freq would
+    shift every angle); "dynamic" rope types are used with their static initial frequencies."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        from transformers import Qwen3Config
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        hf = {k: v for k, v in config.to_hf_dict().items() if k != "architectures"}
+        rope = Qwen3RotaryEmbedding(Qwen3Config(**hf))
+        self.register_buffer("inv_freq", rope.inv_freq.float().clone(), persistent=False)
+        self.scaling = float(rope.attention_scaling)
+
+    def _apply(self, fn, recurse=True):
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        return self
+
+    def forward(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(like.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(like.dtype), (emb.sin() * self.scaling).to(like.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, T, d]; cos/sin [b, T, d]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """q from block tokens; k/v from the context feature and the block tokens (context first)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.scale = d**-0.5
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of the projected context feature [b, S, H] -> 2 x [b, kv_heads, S, d]."""
+        return self._kv(context, cos, sin)
+
+    def forward(self, x, context_k, context_v, cos, sin, attend) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        block_k, block_v = self._kv(x, cos, sin)
+        v = torch.cat([context_v, block_v], dim=2)
+        k = torch.cat([context_k, block_k], dim=2).to(v.dtype)
+        out = attend(q.to(v.dtype), k, v, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, context_k, context_v, cos, sin, attend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), context_k, context_v, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class DrafterCache:
+    """Per-layer k/v of the context fed so far (never of draft blocks), and their positions."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [b, T]
+
+    @property
+    def length(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[1]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter. `attention_backend`: "flex_compiled" (fused kernel, training on GPU),
+    "flex_eager" (uncompiled flex, reference), "sdpa_dense" (SDPA with a dense bool mask). The mask
+    passed to `forward` must fit: a BlockMask for the flex backends, a dense mask for SDPA (a dense
+    mask is always run with SDPA)."""
+
+    def __init__(self, config: DFlashConfig, attention_backend: str = "flex_compiled", kernel_options: dict | None = None):
+        super().__init__()
+        self.config = config
+        self.attention_backend = attention_backend
+        self.kernel_options = kernel_options
+        self.fc = nn.Linear(config.context_width, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """The reference's init (HF `_init_weights`): normal(0, 0.02) linears, unit norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    @property
+    def attention_backend(self) -> str:
+        return self._backend
+
+    @attention_backend.setter
+    def attention_backend(self, name: str) -> None:
+        if name not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+        self._backend = name
+
+    def _attend(self, mask: BlockMask | torch.Tensor):
+        """The attention for this mask: a dense bool mask always runs SDPA (whatever the backend:
+        it is exact, only slower); a BlockMask runs flex, compiled unless the backend is flex_eager."""
+        backend = self._backend
+        if isinstance(mask, torch.Tensor):
+            if mask.dtype != torch.bool or mask.dim() != 4:
+                raise TypeError(f"dense attention mask must be bool [b, 1, Q, S+Q], got {mask.dtype} {tuple(mask.shape)}")
+            return lambda q, k, v, scale: attn.sdpa_dense_attention(q, k, v, mask, scale)
+        if not isinstance(mask, BlockMask):
+            raise TypeError(f"mask must be a flex BlockMask or a dense bool tensor, got {type(mask).__name__}")
+        if backend == "sdpa_dense":
+            raise TypeError("attention_backend 'sdpa_dense' needs a dense bool mask [b, 1, Q, S+Q] (attention.dense_mask)")
+        if backend == "flex_eager":
+            return lambda q, k, v, scale: attn.flex_attention_eager(q, k, v, mask, scale)
+        return lambda q, k, v, scale: attn.flex_attention_compiled(q, k, v, mask, scale, self.kernel_options)
+
+    def project_context(self, context_hidden: torch.Tensor) -> torch.Tensor:
+        """fc + hidden_norm: [b, S, n_layers*H] -> [b, S, H]."""
+        return self.hidden_norm(self.fc(context_hidden))
+
+    def _run_layers(self, h, context, context_positions, block_positions, attend, cache: DrafterCache | None):
+        cos_c, sin_c = self.rotary_emb(h, context_positions)
+        cos_b, sin_b = self.rotary_emb(h, block_positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(context, cos_c, sin_c)
+            if cache is not None:
+                k, v = cache.append(i, k, v)
+            h = layer(h, k, v, cos_b, sin_b, attend)
+        return self.norm(h)
+
+    def forward(
+        self,
+        context_hidden: torch.Tensor,
+        block_embeds: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: BlockMask | torch.Tensor,
+    ) -> torch.Tensor:
+        """Training forward: [b, S, n_layers*H], [b, Q, H], [b, S], [b, Q], mask -> [b, Q, H]."""
+        if context_hidden.shape[-1] != self.config.context_width:
+            raise ValueError(f"context_hidden width {context_hidden.shape[-1]} != n_layers*hidden {self.config.context_width}")
+        context = self.project_context(context_hidden)
+        return self._run_layers(block_embeds, context, context_positions, block_positions, self._attend(mask), None)
+
+    def forward_step(
+        self,
+        new_context_hidden: torch.Tensor,
+        new_context_positions: torch.Tensor,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        cache: DrafterCache,
+    ) -> torch.Tensor:
+        """Inference step: append the newly accepted tokens' context k/v to `cache`, then draft one
+        block that sees all cached context and itself (bidirectionally). Returns [b, Q, H]."""
+        context = self.project_context(new_context_hidden)
+        window = self.config.sliding_window
+        key_positions = new_context_positions
+        if cache.positions is not None:
+            key_positions = torch.cat([cache.positions, new_context_positions], dim=1)
+        mask = None
+        if window is not None:
+            keys = torch.cat([key_positions, block_positions], dim=1)
+            mask = ((block_positions[:, :, None] - keys[:, None, :]).abs() < window)[:, None]
+
+        def attend(q, k, v, scale):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+        out = self._run_layers(block_embeds, context, new_context_positions, block_positions, attend, cache)
+        cache.positions = key_positions
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        return compute_logits(
+            hidden, lm_head_weight,
+            output_multiplier=self.config.output_multiplier, softcap=self.config.final_logit_softcapping,
+        )
+
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """config.json + model.safetensors in the reference layout (weights cast to `dtype` if set)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        config = self.config.to_hf_dict()
+        config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        return directory
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        attention_backend: str = "flex_compiled",
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> "DFlashDrafter":
+        directory = Path(directory)
+        config_path = directory / CONFIG_FILE
+        try:
+            raw = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{config_path}: cannot read drafter config ({exc})") from exc
+        arch = raw.get("architectures") or ["DFlashDraftModel"]
+        if arch != ["DFlashDraftModel"]:
+            raise ValueError(f"{config_path}: architectures {arch} is not a plain DFlashDraftModel")
+        model = cls(DFlashConfig.from_hf_dict(raw), attention_backend=attention_backend)
+        weights_path = directory / WEIGHTS_FILE
+        state = load_file(str(weights_path))
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        model.load_state_dict(state)
+        return model.to(device=device, dtype=dtype)
+
+
+class TargetHead(nn.Module):
+    """Frozen target pieces the drafter reuses: input embedding, LM head (may be tied: the same
+    tensor), final norm. Buffers, never trained, never saved with the drafter."""
+
+    def __init__(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None,
+                 norm: torch.Tensor | None = None, norm_eps: float = 1e-6):
+        super().__init__()
+        self.tied = lm_head is None or lm_head is embed_tokens
+        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+        self.register_buffer("_untied_lm_head", None if self.tied else lm_head.detach(), persistent=False)
+        self.register_buffer("norm_weight", None if norm is None else norm.detach(), persistent=False)
+        self.norm_eps = norm_eps
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """LM-head weight [vocab, hidden]; the embedding tensor itself when tied."""
+        return self.embed_tokens if self.tied else self._untied_lm_head
+
+    def embed(self, ids: torch.Tensor, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Block embeddings: target input embedding of `ids` times `input_embedding_scale`."""
+        out = F.embedding(ids, self.embed_tokens)
+        out = out if dtype is None else out.to(dtype)
+        return out * scale if scale != 1.0 else out
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's final RMSNorm (the drafter does not use it; kept for evaluation tools)."""
+        if self.norm_weight is None:
+            raise ValueError("this target head has no final norm")
+        dtype = h.dtype
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return self.norm_weight * x.to(dtype)
+
+    @staticmethod
+    def _file(path: str | Path) -> Path:
+        path = Path(path)
+        return path if path.suffix == ".safetensors" else path / HEAD_FILE
+
+    @staticmethod
+    def save(
+        path: str | Path,
+        *,
+        embed_tokens: torch.Tensor,
+        lm_head: torch.Tensor | None = None,
+        norm: torch.Tensor | None = None,
+        norm_eps: float = 1e-6,
+        metadata: dict[str, str] | None = None,
+    ) -> Path:
+        """Write `target_head.safetensors` (path = that file or its folder); `lm_head` None or the
+        embedding tensor itself means tied: no `lm_head.weight` key, `tied: true` in metadata."""
+        file = TargetHead._file(path)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tied = lm_head is None or lm_head is embed_tokens
+        tensors = {"embed_tokens.weight": embed_tokens}
+        if not tied:
+            tensors["lm_head.weight"] = lm_head
+        if norm is not None:
+            tensors["norm.weight"] = norm
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        meta = {**(metadata or {}), "tied": "true" if tied else "false", "norm_eps": repr(float(norm_eps))}
+        save_file(tensors, str(file), metadata=meta)
+        return file
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> "TargetHead":
+        file = cls._file(path)
+        if not file.exists():
+            raise FileNotFoundError(f"{file}: target head not found (stage one writes it to the store's target/ folder)")
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+        tied = meta.get("tied", "false") == "true"
+        need = {"embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+        if need - names:
+            raise ValueError(f"{file}: missing {sorted(need - names)} (tied={tied})")
+        t = load_file(str(file), device=str(device))
+        if dtype is not None:
+            t = {k: v.to(dtype) for k, v in t.items()}
+        embed = t["embed_tokens.weight"]
+        return cls(embed, None if tied else t["lm_head.weight"], t.get("norm.weight"), float(meta.get("norm_eps", 1e-6)))

@@ -1,0 +1,87 @@
+"""One process per device, started with spawn (never threads), with errors that reach the user.
+
+Both stages start their ranks through `spawn_ranks`: each child runs `fn(rank, *args)`; the parent
+collects the return values, turns a child's exception into one line naming the rank, notices a child
+that died without a word (SIGKILL, OOM killer), and stops the others instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A worker process failed; the message is one line meant for the user."""
+
+
+class UserError(Exception):
+    """Mixin for errors whose message is complete for the user (no traceback printed)."""
+
+
+def free_port() -> int:
+    """A free TCP port on loopback for a single-host process group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _child(rank: int, fn: Callable[..., Any], args: tuple, results) -> None:
+    try:
+        results.put((rank, "ok", fn(rank, *args)))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
+        if not isinstance(exc, (UserError, ValueError)):
+            traceback.print_exc()
+        results.put((rank, "error", first_line(exc)))
+        raise SystemExit(1)
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), env: dict[str, str] | None = None) -> list[Any]:
+    """Run `fn(rank, *args)` in `world_size` spawned processes; their results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        procs = [ctx.Process(target=_child, args=(r, fn, args, results)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    done: dict[int, Any] = {}
+    error = None
+    while len(done) < world_size and error is None:
+        try:
+            rank, status, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in done and not p.is_alive() and p.exitcode not in (None, 0)]
+            if dead:
+                error = f"worker rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+            continue
+        if status == "ok":
+            done[rank] = payload
+        else:
+            error = f"rank {rank}: {payload}"
+    if error is not None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    for p in procs:
+        p.join()
+    if error is not None:
+        raise RankFailed(error)
+    return [done[r] for r in range(world_size)]

@@ -1,0 +1,44 @@
+"""Shared pytest fixtures.
+
+Models and tokenizers here are tiny and built locally (never downloaded); session-scoped so the
+whole suite builds each once. Add new shared fixtures below with a docstring saying what they give.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder of a tiny random Qwen3 target (4 layers, hidden 64, vocab 768) + ChatML tokenizer,
+    loadable with AutoModelForCausalLM / AutoTokenizer.from_pretrained. Treat it as read-only."""
+    from dflash.data.tiny_target import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like `tiny_target_dir`, with the Llama architecture. Treat it as read-only."""
+    from dflash.data.tiny_target import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_target_dir: Path):
+    """The tiny target's tokenizer, loaded through AutoTokenizer (shared: do not modify it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def sample_corpus() -> Path:
+    """Path of the packaged sample corpus (300 OpenAI-format conversations, JSONL)."""
+    from dflash.data import sample_corpus_path
+
+    return sample_corpus_path()

@@ -1,0 +1,127 @@
+"""Stage one end to end on tiny real-architecture targets (CPU): stored states equal the HF forward."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash.data import sample_corpus_path
+from dflash.data.records import iter_records
+from dflash.data.tokenize import tokenize_record
+from dflash.extract.config import ExtractConfig
+from dflash.extract.run import ExtractError, run_extraction
+from dflash.shared.store import FeatureStore
+from dflash.shared.manifest import load_manifest
+
+
+def small_corpus(tmp_path: Path, n: int) -> Path:
+    lines = sample_corpus_path().read_text().splitlines()[:n]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def extract(target: Path, data: Path, out: Path, **kw) -> None:
+    cfg = ExtractConfig(target=str(target), data=(str(data),), out=str(out), device="cpu",
+                        batch_tokens=kw.pop("batch_tokens", 512), max_length=kw.pop("max_length", 256), **kw)
+    run_extraction(cfg)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_target_dir", "tiny_llama_dir"])
+def test_stored_states_equal_hf_hidden_states(fixture, request, tmp_path):
+    target = request.getfixturevalue(fixture)
+    data = small_corpus(tmp_path, 12)
+    out = tmp_path / "store"
+    extract(target, data, out, layers="0,2", store_dtype="float32", workers=2)
+
+    store = FeatureStore(out)
+    assert store.layer_ids == [0, 2]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target)
+    expected = {r.index: tokenize_record(r, tok, 256) for r in iter_records(data)}
+    assert len(store) == len(expected)
+    seen = set()
+    for i in range(len(store)):
+        s = store[i]
+        ref = expected[s.sample_index]
+        seen.add(s.sample_index)
+        assert np.array_equal(s.input_ids.numpy(), ref.input_ids)
+        assert np.array_equal(s.loss_mask.numpy().astype(np.uint8), ref.loss_mask)
+        with torch.no_grad():
+            hs = model(torch.from_numpy(ref.input_ids.astype(np.int64))[None], output_hidden_states=True).hidden_states
+        want = torch.cat([hs[0 + 1][0], hs[2 + 1][0]], dim=-1)
+        torch.testing.assert_close(s.hidden_states.float(), want, rtol=1e-4, atol=1e-4)
+    assert seen == set(expected)
+
+
+def test_bf16_store_within_bf16_tolerance_and_manifest(tiny_target_dir, tmp_path):
+    data = small_corpus(tmp_path, 8)
+    out = tmp_path / "store"
+    extract(tiny_target_dir, data, out)
+    m = load_manifest(out)
+    assert m.complete and m.hidden_dtype == "bfloat16"
+    assert m.target["layer_ids"] and m.target["config_hash"]
+    assert (out / "target" / "target_head.safetensors").exists()
+    assert (out / "target" / "tokenizer").is_dir()
+    store = FeatureStore(out)
+    s = store[0]
+    assert s.hidden_states.dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hs = model(s.input_ids[None], output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i + 1][0] for i in store.layer_ids], dim=-1)
+    torch.testing.assert_close(s.hidden_states.float(), want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_truncated_model_skips_later_layers_and_head(tiny_target_dir):
+    from dflash.extract.target import load_truncated_target, drop_unused_modules, decoder_layers
+
+    model = load_truncated_target(tiny_target_dir, [0, 1], device=torch.device("cpu"), dtype=torch.float32)
+    assert len(decoder_layers(model)) == 2
+    drop_unused_modules(model)
+    assert isinstance(model.lm_head, torch.nn.Identity)
+
+
+def test_rerun_of_complete_store_does_nothing_and_other_settings_refused(tiny_target_dir, tmp_path):
+    data = small_corpus(tmp_path, 6)
+    out = tmp_path / "store"
+    extract(tiny_target_dir, data, out, layers="0,2")
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    extract(tiny_target_dir, data, out, layers="0,2")
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ExtractError, match="other settings.*layer"):
+        extract(tiny_target_dir, data, out, layers="1,2")
+
+
+def test_bad_record_fails_with_file_and_line_and_store_stays_incomplete(tiny_target_dir, tmp_path):
+    data = small_corpus(tmp_path, 5)
+    with open(data, "a") as f:
+        f.write("{not json\n")
+    out = tmp_path / "store"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.extract.cli", "--target", str(tiny_target_dir), "--data", str(data),
+         "--out", str(out), "--device", "cpu", "--max-length", "128"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "corpus.jsonl:6" in err, err
+    assert not load_manifest(out).complete
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.extract.cli", "--target", str(tiny_target_dir), "--data", str(data),
+         "--out", str(tmp_path / "store2"), "--device", "cpu", "--max-length", "128", "--skip-bad"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    m = load_manifest(tmp_path / "store2")
+    assert m.complete and m.data["counts"]["samples"] == 5
+    assert sum(m.data["counts"]["skipped"].values()) == 1
+    assert "skipped" in proc.stdout

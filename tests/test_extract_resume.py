@@ -1,0 +1,96 @@
+"""kill -9 during extraction, rerun the same command: the store ends identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash.data import sample_corpus_path
+from dflash.shared.manifest import load_manifest
+from dflash.shared.store import stores_equal
+
+pytestmark = pytest.mark.slow
+
+
+def command(target: Path, data: Path, out: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "dflash.extract.cli", "--target", str(target), "--data", str(data), "--out", str(out),
+        "--device", "cpu", "--workers", "2", "--max-length", "96", "--batch-tokens", "96", "--max-batch-size", "2",
+        "--chunk-tokens", "16", "--shard-tokens", "64", "--layers", "0,1,3",
+    ]
+
+
+def committed_batches(out: Path) -> int:
+    total = 0
+    for p in (out / "shards").glob("rank-*.progress.json"):
+        try:
+            total += json.loads(p.read_text()).get("batches", 0)
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill_worker: bool) -> int:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 240
+    while committed_batches(out) < min_batches:
+        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        assert time.time() < deadline, "no progress"
+        time.sleep(0.05)
+    if kill_worker:
+        workers = [p for p in children_of(proc.pid) if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_text()]
+        os.kill(workers[-1], signal.SIGKILL)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    if kill_worker:  # the parent notices, stops the other rank and says how to go on
+        assert proc.returncode == 1
+        assert "rerun the same command" in proc.stderr.read().decode()
+    return committed_batches(out)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    path.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:40]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference_store(tiny_target_dir, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "store"
+    subprocess.run(command(tiny_target_dir, corpus, out), check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.parametrize("kill_worker,min_batches", [(False, 3), (True, 6)])
+def test_sigkill_then_rerun_is_identical(tiny_target_dir, corpus, reference_store, tmp_path, kill_worker, min_batches):
+    out = tmp_path / "store"
+    cmd = command(tiny_target_dir, corpus, out)
+    committed = run_until_killed(cmd, out, min_batches, kill_worker)
+    assert not load_manifest(out).complete
+    assert committed >= min_batches
+    rerun = subprocess.run(cmd, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resumed" in rerun.stdout
+    assert load_manifest(out).complete
+    assert stores_equal(out, reference_store)

@@ -1,0 +1,173 @@
+"""Stage two on CPU: DDP == single process, exact resume after kill -9, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.data import sample_corpus_path
+from dflash.extract.config import ExtractConfig
+from dflash.extract.run import run_extraction
+from dflash.shared.launch import free_port, spawn_ranks
+from dflash.shared.store import FeatureStore
+from dflash.train.config import TrainConfig
+from dflash.train.dataset import PackDataset, PackSpec
+from dflash.train.loop import TrainingError, build_model, init_distributed
+from dflash.train.packing import plan_packs, rank_slice
+from dflash.train.run import run_training
+from dflash.train.step import pack_loss
+
+TRAIN_ARGS = ["--device", "cpu", "--num-layers", "1", "--block-size", "8", "--pack-tokens", "256",
+              "--num-blocks", "16", "--eval-samples", "4", "--loader-workers", "0", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def store_dir(tiny_target_dir, tmp_path_factory) -> Path:
+    data = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:48]) + "\n")
+    out = tmp_path_factory.mktemp("store") / "store"
+    run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu",
+                                 max_length=256, batch_tokens=2048))
+    return out
+
+
+def base_config(store: Path, out: Path, **kw) -> TrainConfig:
+    return TrainConfig(store=str(store), out=str(out), device="cpu", num_layers=1, block_size=8, pack_tokens=256,
+                       num_blocks=16, eval_samples=4, loader_workers=0, lr=1e-3, **kw)
+
+
+def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None) -> dict[str, np.ndarray]:
+    """Gradients after one backward on the first global batch (2 packs), as DDP would see them."""
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    init_distributed(rank, world, device, init)
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from dflash.train.loop import all_sum
+
+        store = FeatureStore(cfg.store)
+        model, head = build_model(cfg, store, device)
+        ddp = DDP(model) if world > 1 else model
+        lengths = np.asarray(store.lengths)
+        spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, 512)
+        per_rank = 2 // world
+        packs = rank_slice(plan_packs(np.arange(len(store)), lengths, cfg.pack_tokens, 0, 0), rank, world, per_rank)
+        ds = PackDataset(cfg.store, packs[:per_rank], spec, 0, 0)
+        batch = torch.utils.data.default_collate([ds[j] for j in range(per_rank)])
+        loss_sum, weight, _ = pack_loss(ddp, head, batch, "sdpa_dense", 4.0)
+        global_weight, = all_sum([float(weight)], device)
+        (loss_sum * (world / global_weight)).backward()
+        return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_gradients_equal_single_process(store_dir, tmp_path):
+    cfg = base_config(store_dir, tmp_path / "run")
+    single = global_batch_grads(0, 1, cfg, None)
+    ranks = spawn_ranks(global_batch_grads, 2, (2, cfg, f"tcp://127.0.0.1:{free_port()}"))
+    assert set(single) == set(ranks[0]) and len(single) > 5
+    for name, g in single.items():
+        np.testing.assert_allclose(ranks[0][name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+        np.testing.assert_array_equal(ranks[0][name], ranks[1][name])
+
+
+def losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "loss" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def train_cmd(store: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dflash.train.cli", "--store", str(store), "--out", str(out), *TRAIN_ARGS,
+            "--max-steps", "10", "--checkpoint-every", "3", "--eval-every", "5", *extra]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_identical_losses(store_dir, tmp_path):
+    ref = tmp_path / "ref"
+    subprocess.run(train_cmd(store_dir, ref), check=True, capture_output=True)
+    want = losses(ref)
+    assert sorted(want) == list(range(1, 11))
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(store_dir, run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or len(losses(run)) < 5:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "drafter").exists()
+    again = subprocess.run(train_cmd(store_dir, run), capture_output=True, text=True)
+    assert again.returncode == 1 and "--resume" in again.stderr  # refuses to clobber a run silently
+    resumed = subprocess.run(train_cmd(store_dir, run, "--resume"), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(run) == want
+    assert (run / "drafter" / "model.safetensors").exists()
+
+
+def test_training_reduces_loss_and_reports_acceptance(store_dir, tmp_path):
+    result = run_training(replace(base_config(store_dir, tmp_path / "run"), max_steps=25, lr=3e-3, eval_every=25))
+    got = losses(tmp_path / "run")
+    assert got[25] < got[1]
+    assert result.eval_tau is not None and result.eval_tau >= 1.0
+    evals = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    assert evals and evals[-1]["tau"] == pytest.approx(result.eval_tau)
+
+
+def test_refuses_incomplete_store(store_dir, tmp_path):
+    import shutil
+    from dflash.shared.manifest import StoreIncomplete, load_manifest, write_manifest
+
+    broken = tmp_path / "broken"
+    shutil.copytree(store_dir, broken)
+    m = load_manifest(broken)
+    m.complete = False
+    write_manifest(broken, m)
+    with pytest.raises(StoreIncomplete, match="broken"):
+        run_training(base_config(broken, tmp_path / "run"))
+
+
+def test_refuses_store_of_another_target(store_dir, tiny_llama_dir, tmp_path):
+    from dflash.shared.manifest import StoreMismatch
+
+    with pytest.raises(StoreMismatch):
+        run_training(base_config(store_dir, tmp_path / "run", target=str(tiny_llama_dir)))
+
+
+def test_refuses_block_larger_than_samples(store_dir, tmp_path):
+    from dflash.train.setup import StoreUnusable
+
+    with pytest.raises(StoreUnusable, match="block size 4096 is larger than every sample"):
+        run_training(replace(base_config(store_dir, tmp_path / "run"), block_size=4096, num_blocks=1))
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(store_dir, tmp_path):
+    """Inf activations in the store make the loss NaN: training stops with a clear message."""
+    import shutil
+    import zarr
+
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(store_dir, poisoned)
+    arr = zarr.open_array(poisoned / "shards" / "rank-00000.zarr" / "hidden_states", mode="r+")
+    bits = np.full(arr.shape, 0x7F80, dtype=np.uint16)  # bf16 +inf
+    arr[...] = bits
+    with pytest.raises(TrainingError, match="loss became nan at step 1"):
+        run_training(base_config(poisoned, tmp_path / "run"))

@@ -1,0 +1,74 @@
+"""Checkpoints that a crash cannot leave half-written: a folder is complete or it is not there.
+
+`OUT/checkpoints/step-00000100/` holds the drafter (config.json + model.safetensors, loadable as
+is), `trainer.pt` (optimizer, schedule) and `state.json` (step, data position, store identity).
+It is written under a temporary name and renamed; `OUT/checkpoints/latest` names the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.shared.drafter import DFlashDrafter
+
+LATEST = "latest"
+
+
+@dataclass
+class TrainState:
+    step: int  # optimizer steps done
+    epoch: int
+    step_in_epoch: int  # steps done within `epoch`
+    store_identity: dict
+    last_loss: float | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def checkpoint_dir(out: Path) -> Path:
+    return out / "checkpoints"
+
+
+def save_checkpoint(out: Path, model: DFlashDrafter, optimizer, scheduler, state: TrainState, keep: int) -> Path:
+    root = checkpoint_dir(out)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state.step:08d}"
+    tmp = root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(json.dumps(state.to_dict(), indent=1))
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / LATEST)
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    pointer = checkpoint_dir(out) / LATEST
+    if not pointer.exists():
+        return None
+    path = checkpoint_dir(out) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_state(path: Path) -> TrainState:
+    return TrainState(**json.loads((path / "state.json").read_text()))
+
+
+def load_trainer_state(path: Path, optimizer, scheduler) -> None:
+    blob = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])

@@ -1,0 +1,279 @@
+"""Stage two on one rank: DDP drafter training from the feature store, checkpoints, evaluation.
+
+The loss is normalised by the weight summed over *all* ranks (one all-reduce of a scalar before the
+backward), so a DDP step equals a single-process step on the same global batch exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from dflash.shared.blocks import default_gamma
+from dflash.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
+from dflash.shared.launch import UserError
+from dflash.shared.store import FeatureStore
+from dflash.train import checkpoint as ckpt
+from dflash.train.config import TrainConfig
+from dflash.train.dataset import PackDataset, PackSpec, make_loader
+from dflash.train.packing import plan_packs, rank_slice, split_holdout, steps_per_epoch
+from dflash.train.setup import (
+    load_target_config,
+    resolve_mask_token,
+    store_identity,
+    validate_store,
+)
+from dflash.train.step import block_acceptance, pack_loss, to_device
+
+
+# Held-out packs and their anchors are drawn with this "epoch", apart from every training epoch.
+EVAL_EPOCH = 2**31 - 1
+
+
+class TrainingError(UserError, RuntimeError):
+    """Training cannot continue (bad store, diverged loss, mismatched checkpoint)."""
+
+
+@dataclass
+class RankResult:
+    steps: int
+    final_loss: float | None
+    eval_tau: float | None
+    tokens_per_s: float
+    out: str
+
+
+def backend_for(cfg: TrainConfig, device: torch.device) -> str:
+    """Compiled flex on GPU; on CPU compiled flex has no backward, so the eager/SDPA reference."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    return "flex_compiled" if device.type == "cuda" else "sdpa_dense"
+
+
+def lr_lambda(total_steps: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0; on resume, lines after the resumed step are dropped first."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+        self.path = path
+        self.enabled = enabled
+        if enabled and resume_step is not None and path.exists():
+            kept = [l for l in path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= resume_step]
+            path.write_text("".join(l + "\n" for l in kept))
+        elif enabled and resume_step is None:
+            path.write_text("")
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def build_model(cfg: TrainConfig, store: FeatureStore, device: torch.device) -> tuple[DFlashDrafter, TargetHead]:
+    target_config = load_target_config(store)
+    mask_token = resolve_mask_token(store, cfg.mask_token_id)
+    dcfg = DFlashConfig.for_target(
+        target_config,
+        store.layer_ids,
+        num_layers=cfg.num_layers,
+        block_size=cfg.block_size,
+        mask_token_id=mask_token,
+    )
+    torch.manual_seed(cfg.seed)
+    model = DFlashDrafter(dcfg).to(device)
+    head = TargetHead.load(Path(store.root) / "target" / "target_head.safetensors", device=device)
+    return model, head
+
+
+def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) -> RankResult:
+    out = Path(cfg.out)
+    store = FeatureStore(cfg.store)
+    validate_store(store, cfg)
+    identity = store_identity(store)
+    model, head = build_model(cfg, store, device)
+    backend = backend_for(cfg, device)
+    model.attention_backend = backend
+    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
+
+    lengths = np.asarray(store.lengths)
+    train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed)
+    spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, cfg.max_anchors_per_sample)
+    epoch_steps = steps_per_epoch(len(plan_packs(train_ids, lengths, cfg.pack_tokens, cfg.seed, 0)), world, cfg.packs_per_step)
+    if epoch_steps == 0:
+        raise TrainingError(
+            f"{cfg.store}: {len(train_ids)} training samples fill fewer packs than one step needs "
+            f"({world} ranks x {cfg.packs_per_step} packs of {cfg.pack_tokens} tokens); lower --pack-tokens"
+        )
+    total_steps = epoch_steps * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, epoch_steps * cfg.epochs)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                  fused=device.type == "cuda")
+    warmup = max(1, int(round(cfg.warmup_ratio * total_steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
+
+    state = ckpt.TrainState(step=0, epoch=0, step_in_epoch=0, store_identity=identity)
+    resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
+    if cfg.resume and resume_from is None and rank == 0:
+        print(f"dflash-train: no checkpoint under {out}; starting from scratch")
+    if resume_from is not None:
+        state = ckpt.load_state(resume_from)
+        if state.store_identity != identity:
+            raise TrainingError(f"{resume_from}: checkpoint was trained on another store or target; use a new --out")
+        saved = DFlashDrafter.from_pretrained(resume_from)
+        if saved.config != model.config:
+            raise TrainingError(f"{resume_from}: checkpoint drafter config differs from this run's settings")
+        model.load_state_dict(saved.state_dict())
+        ckpt.load_trainer_state(resume_from, optimizer, scheduler)
+    elif rank == 0 and out.exists() and ckpt.latest_checkpoint(out) is not None:
+        raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass --resume to continue it or choose a new --out")
+
+    out.mkdir(parents=True, exist_ok=True)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
+    metrics = MetricsLog(out / "metrics.jsonl", rank == 0, state.step if resume_from is not None else None)
+    if rank == 0:
+        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    eval_packs = rank_slice(plan_packs(eval_ids, lengths, cfg.pack_tokens, cfg.seed, EVAL_EPOCH), rank, world, 1) if len(eval_ids) else []
+
+    bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    last_loss, tau, rate = state.last_loss, None, 0.0
+    window_tokens, window_start = 0, time.perf_counter()
+    while state.step < total_steps:
+        packs = rank_slice(plan_packs(train_ids, lengths, cfg.pack_tokens, cfg.seed, state.epoch), rank, world, cfg.packs_per_step)
+        if len(packs) < cfg.packs_per_step:  # (a resume exactly at an epoch's end yields nothing, and that is fine)
+            raise TrainingError(f"{cfg.store}: epoch {state.epoch} produced no training step's worth of packs")
+        loader = make_loader(PackDataset(cfg.store, packs, spec, cfg.seed, state.epoch), cfg.packs_per_step,
+                             state.step_in_epoch, cfg.loader_workers, device.type == "cuda")
+        for batch in loader:
+            batch = to_device(batch, device)
+            model.train()
+            with autocast:
+                loss_sum, weight, stats = pack_loss(ddp, head, batch, backend, gamma)
+            global_weight, = all_sum([float(weight)], device)
+            loss = loss_sum * (world / max(global_weight, 1e-12))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+            reduced = all_sum([float(loss_sum.detach()), float(grad_norm)] + stats["correct"].tolist() + stats["total"].tolist(), device)
+            step_loss = reduced[0] / max(global_weight, 1e-12)
+            if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
+                raise TrainingError(
+                    f"loss became {step_loss} at step {state.step + 1}; stopped, the last good checkpoint is "
+                    f"{ckpt.latest_checkpoint(out) or 'none (no checkpoint was written yet)'}"
+                )
+            optimizer.step()
+            scheduler.step()
+            state.step += 1
+            state.step_in_epoch += 1
+            state.last_loss = last_loss = step_loss
+            window_tokens += int((batch["context_doc"] >= 0).sum()) * world
+            if state.step % cfg.log_every == 0 or state.step == total_steps:
+                elapsed = time.perf_counter() - window_start
+                rate = window_tokens / elapsed if elapsed > 0 else 0.0
+                k = (len(reduced) - 2) // 2
+                correct, totals = np.array(reduced[2 : 2 + k]), np.array(reduced[2 + k :])
+                metrics.write({
+                    "step": state.step, "epoch": state.epoch, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": reduced[1] / world, "tokens_per_s": rate,
+                    "acc": [round(c / t, 4) if t else None for c, t in zip(correct, totals)],
+                })
+                window_tokens, window_start = 0, time.perf_counter()
+                bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}")
+            bar.update(1)
+            if eval_packs and (state.step % cfg.eval_every == 0 or state.step == total_steps):
+                tau = evaluate(model, head, cfg, eval_packs, spec, backend, device, autocast, gamma)
+                metrics.write({"step": state.step, "type": "eval", "tau": tau})
+            if state.step % cfg.checkpoint_every == 0 or state.step == total_steps:
+                save_all(rank, out, model, optimizer, scheduler, state, cfg)
+            if state.step >= total_steps:
+                break
+        else:  # this epoch's packs are used up (their number varies a little with the shuffle)
+            state.epoch += 1
+            state.step_in_epoch = 0
+            if cfg.max_steps is None and state.epoch >= cfg.epochs:
+                break
+    bar.close()
+    if rank == 0:
+        model.save_pretrained(out / "drafter")
+    if dist.is_initialized():
+        dist.barrier()
+    return RankResult(state.step, last_loss, tau, rate, str(out))
+
+
+def save_all(rank, out, model, optimizer, scheduler, state, cfg) -> None:
+    if rank == 0:
+        ckpt.save_checkpoint(out, model, optimizer, scheduler, state, cfg.keep_checkpoints)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@torch.no_grad()
+def evaluate(model, head, cfg, eval_packs, spec, backend, device, autocast, gamma) -> float:
+    """Mean offline acceptance length over the held-out packs (all ranks), the drafter in eval mode."""
+    model.eval()
+    dataset = PackDataset(cfg.store, eval_packs, spec, cfg.seed, EVAL_EPOCH)
+    total, count = 0.0, 0
+    for j in range(len(dataset)):
+        batch = to_device({k: v[None] for k, v in dataset[j].items()}, device)
+        with autocast:
+            _, _, stats = pack_loss(model, head, batch, backend, gamma)
+        accepted = block_acceptance(batch, stats["pred"], cfg.block_size)
+        total += float(accepted.sum())
+        count += accepted.numel()
+    total, count = all_sum([total, float(count)], device)
+    model.train()
+    return total / count if count else float("nan")
+
+
+def init_distributed(rank: int, world: int, device: torch.device, init_method: str | None) -> None:
+    if world == 1 and init_method is None:
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"timeout": timedelta(hours=2)}
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank, world_size=world)
+    dist.init_process_group(backend, **kwargs)
+
+
+def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None) -> RankResult:
+    """Body of one training process (spawned or under torchrun)."""
+    if cfg.device == "cuda":
+        gpu = cfg.gpus[rank] if cfg.gpus and init_method is not None else int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    init_distributed(rank, world, device, init_method)
+    try:
+        return train_rank(rank, world, cfg, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""`dflash-report`: loss and offline acceptance curves of a training run, drawn to a PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        raise click.UsageError(f"{path}: no metrics (is --run a dflash-train output folder?)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r], [r for r in rows if r.get("type") == "eval"]
+
+
+def draw(run: Path, png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, evals = read_metrics(run)
+    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+    ax_loss.set(xlabel="step", ylabel="weighted CE loss", title="training loss")
+    ax_loss.grid(alpha=0.3)
+    if evals:
+        ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], marker="o")
+    ax_tau.set(xlabel="step", ylabel="accepted tokens per block", title="held-out offline acceptance (tau)")
+    ax_tau.grid(alpha=0.3)
+    fig.suptitle(str(run))
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+@click.command()
+@click.option("--run", required=True, type=click.Path(file_okay=False, exists=True), help="dflash-train --out folder.")
+@click.option("--png", default=None, help="Output image [default: RUN/report.png].")
+def main(run: str, png: str | None) -> None:
+    """Draw loss and acceptance curves of a run."""
+    out = draw(Path(run), Path(png) if png else Path(run) / "report.png")
+    click.echo(f"report written to {out}")
+
+
+if __name__ == "__main__":
+    main()

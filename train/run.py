@@ -1,0 +1,40 @@
+"""Stage two end to end: one process per GPU (spawned here or by torchrun), or CPU processes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+
+from dflash.shared.launch import RankFailed, free_port, spawn_ranks
+from dflash.train.config import TrainConfig
+from dflash.train.loop import RankResult, TrainingError, rank_entry
+
+
+def resolve_devices(cfg: TrainConfig) -> TrainConfig:
+    """Default GPUs: three if available (else all visible); CPU when there is no CUDA."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        if cfg.gpus:
+            raise TrainingError(f"--gpus {','.join(map(str, cfg.gpus))} given but CUDA is not available")
+        return replace(cfg, device="cpu")
+    if cfg.device == "cuda" and not cfg.gpus:
+        return replace(cfg, gpus=tuple(range(min(3, torch.cuda.device_count()))))
+    return cfg
+
+
+def run_training(cfg: TrainConfig) -> RankResult | None:
+    """Train as configured; returns rank 0's result (None on other torchrun ranks)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        cfg = replace(cfg, device="cuda" if torch.cuda.is_available() and cfg.device == "cuda" else "cpu")
+        result = rank_entry(rank, world, cfg, None)
+        return result if rank == 0 else None
+    cfg = resolve_devices(cfg)
+    if cfg.world_size == 1:
+        return rank_entry(0, 1, cfg, None)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        return spawn_ranks(rank_entry, cfg.world_size, (cfg.world_size, cfg, init))[0]
+    except RankFailed as exc:
+        raise TrainingError(f"{exc}; rerun with --resume to continue from the last checkpoint") from exc

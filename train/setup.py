@@ -1,0 +1,78 @@
+"""Checks and lookups stage two does on the store before it builds anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+from dflash.shared.launch import UserError
+from dflash.shared.manifest import check_compatible
+from dflash.shared.store import FeatureStore
+
+
+class StoreUnusable(UserError, ValueError):
+    """The store cannot train a drafter with these settings."""
+
+
+def target_dir(store: FeatureStore) -> Path:
+    return Path(store.root) / "target"
+
+
+def load_target_config(store: FeatureStore) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(str(target_dir(store)))
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def store_identity(store: FeatureStore) -> dict:
+    """What a checkpoint must share with the store it resumes on."""
+    m = store.manifest
+    return {
+        "config_hash": m.target["config_hash"],
+        "layer_ids": list(m.target["layer_ids"]),
+        "data_fingerprint": m.data["fingerprint"],
+        "weights_fingerprint": m.target.get("weights_fingerprint"),
+    }
+
+
+def validate_store(store: FeatureStore, cfg) -> None:
+    """Refuse, with one line, a store that cannot train this drafter."""
+    if cfg.target is not None:
+        from dflash.extract.target import config_hash, load_target_config as load_cfg
+
+        check_compatible(store.manifest, config_hash=config_hash(load_cfg(cfg.target)), root=store.root)
+    if len(store) == 0:
+        raise StoreUnusable(f"{store.root}: the store holds no samples")
+    longest = int(max(store.lengths))
+    if longest < cfg.block_size + 1:
+        raise StoreUnusable(
+            f"{store.root}: block size {cfg.block_size} is larger than every sample (longest has {longest} tokens); "
+            "lower --block-size"
+        )
+    if cfg.pack_tokens % 128 or (cfg.num_blocks * cfg.block_size) % 128:
+        raise StoreUnusable(
+            f"--pack-tokens ({cfg.pack_tokens}) and --num-blocks x --block-size ({cfg.num_blocks * cfg.block_size}) "
+            "must be multiples of 128 (flex_attention block granularity)"
+        )
+
+
+def resolve_mask_token(store: FeatureStore, given: int | None) -> int:
+    """The token whose embedding fills the masked block positions.
+
+    Order: the explicit id; the tokenizer's mask token; the first embedding row past the tokenizer's
+    vocabulary (padded vocabularies, as Qwen3's, have unused rows: the reference drafters use one).
+    """
+    vocab = load_target_config(store).vocab_size
+    if given is not None:
+        if not 0 <= given < vocab:
+            raise StoreUnusable(f"--mask-token-id {given} is outside the target vocabulary (0..{vocab - 1})")
+        return given
+    tok = AutoTokenizer.from_pretrained(str(target_dir(store) / "tokenizer"))
+    if tok.mask_token_id is not None:
+        return int(tok.mask_token_id)
+    if len(tok) < vocab:
+        return len(tok)
+    raise StoreUnusable(
+        f"{store.root}: the tokenizer has no mask token and no unused embedding rows; pass --mask-token-id "
+        "(a rarely used special token)"
+    )
