@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 from dflash.data.tokenize import TokenizedSample
 from dflash.extract.plan import padded_fraction, plan_batches
 from dflash.extract.target import HiddenStateCapture, decoder_layers, drop_unused_modules
-from dflash.extract.worker import BatchRunner
+from dflash.extract.worker import BatchRunner, run_batches
 from dflash.shared.drafter import default_target_layer_ids
 from dflash.shared.store import DEFAULT_COMPRESSION, StoreWriter
 
@@ -112,31 +113,39 @@ def bench_naive(model, samples, layer_ids, out: Path, batch_size: int = 8) -> di
 
 
 def bench_pipeline(model, samples, layer_ids, out: Path, batch_tokens: int, compression: str) -> dict:
+    """`dflash-extract`'s own batch loop (`run_batches`) into the real crash-safe store writer."""
     lengths = [len(s.input_ids) for s in samples]
     plan = plan_batches(lengths, batch_tokens, 64)
     width = model.config.hidden_size * len(layer_ids)
+    shutil.rmtree(out, ignore_errors=True)
     writer = StoreWriter(out, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=sum(lengths),
                          capacity_samples=len(samples), compression=compression, overwrite=True)
     runner = BatchRunner(model, layer_ids, torch.device("cuda"), torch.bfloat16, pad_id=0)
-    wait = 0.0
     torch.cuda.synchronize()
     t = time.perf_counter()
-    pending = None
-    for batch in plan.batches:
-        current = runner.launch([samples[i] for i in batch])
-        if pending is not None:
-            w = time.perf_counter()
-            pending[2].synchronize()  # time the device still needed: the writer did not hide it
-            wait += time.perf_counter() - w
-            runner.finish(pending, writer)
-        pending = current
-    runner.finish(pending, writer)
+    _, writer_wait = run_batches(runner, samples, plan.batches, writer)
     writer.finalize()
     seconds = time.perf_counter() - t
     runner.capture.close()
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return {"seconds": seconds, "bytes": size, "batches": len(plan.batches), "padding": padded_fraction(lengths, plan),
-            "host_wait_for_gpu_s": wait}
+    return {"compression": compression, "seconds": seconds, "bytes": size, "batches": len(plan.batches),
+            "padding": padded_fraction(lengths, plan), "forward_waited_for_writer_s": writer_wait,
+            "write_GBps": width * 2 * sum(lengths) / seconds / 1e9}
+
+
+def disk_write_rate(out: Path, gigabytes: float = 4.0) -> float:
+    """Plain sequential write + fsync of incompressible bytes: the disk's own ceiling (GB/s)."""
+    out.mkdir(parents=True, exist_ok=True)
+    block = np.random.default_rng(0).integers(0, 255, 256 * 2**20, dtype=np.uint8).tobytes()
+    t = time.perf_counter()
+    with open(out / "ddtest", "wb") as f:
+        for _ in range(int(gigabytes * 4)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    rate = int(gigabytes * 4) * len(block) / (time.perf_counter() - t) / 1e9
+    (out / "ddtest").unlink()
+    return rate
 
 
 def bench_forward_only(model, samples, layer_ids, batch_tokens: int) -> dict:
@@ -164,7 +173,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=160)
     ap.add_argument("--mean-len", type=float, default=1500)
     ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--compression", default=DEFAULT_COMPRESSION)
+    ap.add_argument("--compression", action="append", default=None,
+                    help=f"store codec(s) to run, repeatable [default: none and {DEFAULT_COMPRESSION}]")
     ap.add_argument("--skip-naive", action="store_true")
     args = ap.parse_args()
     scratch = Path(args.out_dir)
@@ -176,8 +186,9 @@ def main() -> None:
     samples = synthetic_samples(args.samples, config.vocab_size, args.mean_len)
     tokens = sum(len(s.input_ids) for s in samples)
     peak = matmul_tflops("cuda")
+    compressions = args.compression or ["none", DEFAULT_COMPRESSION]
     result = {"layer_ids": layer_ids, "samples": len(samples), "tokens": tokens, "matmul_tflops": peak,
-              "compression": args.compression, "batch_tokens": args.batch_tokens}
+              "batch_tokens": args.batch_tokens, "disk_write_GBps": disk_write_rate(scratch / "dd")}
     model = random_model(config, "cuda")
     warm = samples[:4]
     if not args.skip_naive:
@@ -193,17 +204,18 @@ def main() -> None:
     torch.cuda.empty_cache()
     bench_forward_only(model, warm, layer_ids, args.batch_tokens)
     result["forward_only"] = bench_forward_only(model, samples, layer_ids, args.batch_tokens)
-    result["pipeline"] = bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, args.compression)
+    runs = [bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, c) for c in compressions]
     flops = useful_flops(config, layer_ids[-1] + 1, samples)
-    for name in ("naive", "forward_only", "pipeline"):
-        if name in result:
-            r = result[name]
+    for r in [result.get("naive"), result["forward_only"], *runs]:
+        if r is not None:
             r["tokens_per_s"] = tokens / r["seconds"]
             r["mfu"] = flops / r["seconds"] / (peak * 1e12)
-    if "naive" in result:
-        result["speedup_vs_naive"] = result["naive"]["seconds"] / result["pipeline"]["seconds"]
-    result["pipeline_vs_forward_only"] = result["forward_only"]["seconds"] / result["pipeline"]["seconds"]
-    result["bytes_per_token"] = result["pipeline"]["bytes"] / tokens
+    for r in runs:
+        r["bytes_per_token"] = r["bytes"] / tokens
+        r["vs_forward_only"] = result["forward_only"]["seconds"] / r["seconds"]
+        if "naive" in result:
+            r["speedup_vs_naive"] = result["naive"]["seconds"] / r["seconds"]
+    result["pipeline"] = runs
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

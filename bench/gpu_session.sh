@@ -11,7 +11,8 @@ steps=${*:-env tests train extract smoke}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/wheels/*.whl \
   && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . \
   || { echo "install failed"; exit 1; }
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+# the checkout has a dflash/ folder of its own: keep the cwd off sys.path so the installed package wins
+export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 status=0
 
 step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, record the exit code
@@ -33,10 +34,10 @@ for s in $steps; do
     extract) step bench_extract 240 python3 -m bench.extract --out-dir /tmp/bench_extract --json "$OUT/extract.json" ;;
     smoke) step smoke 240 bash -c '
       set -e; d=/tmp/smoke; rm -rf $d
-      python3 -c "from dflash.data.tiny_target import build_tiny_target as b; b(\"$0/target\", num_layers=6, hidden=128)" $d
-      dflash-extract --target $d/target --data data/sample/conversations.jsonl --out $d/store --gpus 0 --max-length 512
+      python3 -c "import sys; from dflash.data.tiny_target import build_tiny_target as b; b(sys.argv[1], num_layers=6, hidden=128)" $d/target
+      dflash-extract --target $d/target --data data/sample/conversations.jsonl --out $d/store --gpus 0 --max-length 512 --regenerate --max-new-tokens 64 --limit 128
       dflash-train --store $d/store --out $d/train --gpus 0 --num-layers 2 --block-size 8 --pack-tokens 2048 \
-        --num-blocks 128 --max-steps 60 --eval-every 30 --checkpoint-every 30 --lr 2e-3
+        --num-blocks 128 --max-steps 60 --eval-every 30 --checkpoint-every 30 --lr 2e-3 --eval-samples 16
       dflash-eval --target $d/target --drafter $d/train/drafter --prompts data/sample/conversations.jsonl \
         --limit 8 --max-new-tokens 64 --device cuda --dtype float32 --json '"$OUT"'/smoke_eval.json
       tail -n 3 $d/train/metrics.jsonl' ;;

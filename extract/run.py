@@ -48,6 +48,7 @@ class RunSummary:
     resumed: bool
     already_complete: bool = False
     regenerated: dict | None = None
+    writer_wait_s: float = 0.0  # the longest any rank's forward waited for its store writer
 
     def lines(self) -> list[str]:
         rate = self.computed_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -57,7 +58,8 @@ class RunSummary:
             f"store      {self.root}" + ("  (already complete: nothing to do)" if self.already_complete else ""),
             f"samples    {self.samples}   tokens {self.tokens}   truncated {self.truncated}   skipped {skipped}",
             f"computed   {self.computed_tokens} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s)"
-            + ("   resumed from committed batches" if self.resumed else ""),
+            + ("   resumed from committed batches" if self.resumed else "")
+            + (f"   (forward waited {self.writer_wait_s:.1f} s for storage)" if self.writer_wait_s >= 0.1 else ""),
             f"on disk    {self.store_bytes / 2**20:,.1f} MiB ({per_token:,.0f} B/token)",
         ] + ([] if not self.regenerated else [
             "regenerated " + "   ".join(f"{k} {v}" for k, v in self.regenerated.items()),
@@ -255,4 +257,5 @@ def summarize(cfg: ExtractConfig, summaries: list[RankSummary | None], started: 
         resumed=any(s.resumed_batches for s in done),
         already_complete=complete,
         regenerated=counts.get("regenerated"),
+        writer_wait_s=max((s.writer_wait_s for s in done), default=0.0),
     )

@@ -1,7 +1,9 @@
 """One extraction process: owns one rank's samples, one device and one store shard.
 
-Per batch the forward of batch i is queued on the GPU before batch i-1 is written, so the
-(asynchronous) device computes while this process compresses and writes; no threads of ours.
+Per batch the forward of batch i is queued on the GPU before batch i-1 is collected from its
+pinned host buffer and handed to the store writer's I/O thread (`background_writer`), so the device
+computes while the states of earlier batches are compressed and written. Model code runs on this
+process's main thread only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tqdm import tqdm
 
 from dflash.data.records import ReadStats, iter_records
 from dflash.data.tokenize import TokenizedSample, tokenize_record
+from dflash.extract.background_writer import BackgroundWriter
 from dflash.extract.config import ExtractConfig
 from dflash.extract.plan import BatchPlan, owns, padded_fraction, plan_batches
 from dflash.extract.target import (
@@ -41,6 +44,7 @@ class RankSummary:
     padding: float = 0.0
     seconds: float = 0.0
     computed_tokens: int = 0  # tokens run through the target in this invocation
+    writer_wait_s: float = 0.0  # forward stalled on a full write queue (storage slower than the GPU)
     regenerated: dict | None = None  # RegenerateStats of --regenerate
 
     def to_dict(self) -> dict:
@@ -152,7 +156,8 @@ class BatchRunner:
         return samples, host, event
 
     @staticmethod
-    def finish(pending, writer: StoreWriter) -> int:
+    def collect(pending) -> list[tuple]:
+        """Wait for a launched batch's copy; its (index, ids, mask, states) rows for the writer."""
         samples, host, event = pending
         if event is not None:
             event.synchronize()
@@ -161,8 +166,26 @@ class BatchRunner:
             n = len(s.input_ids)
             batch.append((s.index, s.input_ids, s.loss_mask, host[start : start + n]))
             start += n
-        writer.append_batch(batch)
-        return start
+        return batch
+
+
+def run_batches(runner: BatchRunner, samples: list[TokenizedSample], batches: list[list[int]], writer: StoreWriter,
+                *, queue_depth: int = 2, progress: tqdm | None = None) -> tuple[int, float]:
+    """Forward every batch and store it, batch i+1 queued on the device before batch i is collected.
+    Returns (tokens written, seconds the forward waited for the writer)."""
+    written, pending = 0, None
+    with BackgroundWriter(writer, queue_depth) as sink:
+        for batch in [*batches, None]:
+            current = runner.launch([samples[i] for i in batch]) if batch is not None else None
+            if pending is not None:
+                rows = runner.collect(pending)
+                sink.submit(rows)
+                n = sum(len(r[1]) for r in rows)
+                written += n
+                if progress is not None:
+                    progress.update(n)
+            pending = current
+    return written, sink.blocked_s
 
 
 def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.device, layer_ids: list[int]) -> RankSummary:
@@ -203,35 +226,20 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
             export_target_assets(model, tokenizer, target_config, root)
         drop_unused_modules(model)
     if todo:
-        summary.computed_tokens = run_batches(model, tokenizer, samples, todo, layer_ids, device, cfg, writer, rank)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        runner = BatchRunner(model, layer_ids, device, getattr(torch, cfg.store_dtype), pad_id)
+        total = sum(lengths[i] for b in todo for i in b)
+        bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0,
+                   dynamic_ncols=True)
+        try:
+            summary.computed_tokens, summary.writer_wait_s = run_batches(runner, samples, todo, writer, progress=bar)
+        finally:
+            bar.close()
+            runner.capture.close()
     writer.finalize()
     summary.seconds = time.perf_counter() - started
     write_rank_summary(root, summary)
     return summary
-
-
-def run_batches(model, tokenizer, samples, batches, layer_ids, device, cfg, writer, rank) -> int:
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    runner = BatchRunner(model, layer_ids, device, getattr(torch, cfg.store_dtype), pad_id)
-    total = sum(len(samples[i].input_ids) for b in batches for i in b)
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0, dynamic_ncols=True)
-    pending, written = None, 0
-    try:
-        for batch in batches:
-            current = runner.launch([samples[i] for i in batch])
-            if pending is not None:
-                n = runner.finish(pending, writer)
-                written += n
-                bar.update(n)
-            pending = current
-        if pending is not None:
-            n = runner.finish(pending, writer)
-            written += n
-            bar.update(n)
-    finally:
-        bar.close()
-        runner.capture.close()
-    return written
 
 
 def write_rank_summary(root: Path, summary: RankSummary) -> None:

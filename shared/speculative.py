@@ -44,6 +44,14 @@ def _stop_at(tokens: list[int], stop_ids: set[int], limit: int) -> list[int]:
     return tokens[:limit]
 
 
+def _truncate_cache(cache: DynamicCache, length: int) -> None:
+    """Drop cached positions from `length` on. A negative `crop` argument means "remove this many"
+    in every transformers version we support (the meaning of a positive one changed in 5.x)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 @torch.inference_mode()
 def target_greedy(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set[int]) -> Generation:
     """Target-only greedy decoding with a KV cache: the baseline and the reference output."""
@@ -104,7 +112,7 @@ def dflash_generate(
         tokens.extend(new)
         if stop_ids.intersection(new):
             break
-        cache.crop(seen + 1 + n_ok)  # keep the block positions that were accepted
+        _truncate_cache(cache, seen + 1 + n_ok)  # keep the block positions that were accepted
         step_features = torch.cat(capture.take(), dim=-1)
         features = step_features[:, : 1 + n_ok]
         feature_positions = positions[:, : 1 + n_ok]
