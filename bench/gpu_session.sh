@@ -8,9 +8,8 @@ set -u
 OUT=${OUT:?set OUT to a results folder}
 export PYTHONUNBUFFERED=1
 steps=${*:-env tests train extract smoke}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/wheels/*.whl \
-  && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . \
-  || { echo "install failed"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .carry/wheels/*.whl . || { echo "install failed"; exit 1; }
 # the checkout has a dflash/ folder of its own: keep the cwd off sys.path so the installed package wins
 export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 status=0
