@@ -43,8 +43,8 @@ def package_dir(name: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def load_smollm2(cache: Path):
-    """The model and tokenizer; dequantizing the GGUF is slow, so a save_pretrained copy is kept in `cache`."""
+def smollm2_folder(cache: Path) -> Path:
+    """SmolLM2-135M-Instruct as a plain HF folder in `cache`: the GGUF is dequantized (slow) only once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (cache / "config.json").exists():
@@ -57,7 +57,14 @@ def load_smollm2(cache: Path):
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(cache)
-    return AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(cache)
+    return cache
+
+
+def load_smollm2(cache: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_folder(cache)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)
 
 
 def iter_conversations(path: Path):

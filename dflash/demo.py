@@ -2,7 +2,8 @@
 
 It builds a tiny random Qwen3-architecture target with a tokenizer trained on the bundled sample
 corpus, extracts its hidden states with two worker processes, trains a small drafter with two gloo
-DDP processes, and prints where everything went.
+DDP processes, checks real speculative decoding with it (`dflash-eval`), draws the curves
+(`dflash-report`) and prints where everything went.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ def main(out: str, steps: int) -> None:
         "--max-steps", str(steps), "--lr", "2e-3", "--eval-every", "40", "--checkpoint-every", "60",
         "--eval-samples", "24", "--loader-workers", "1", "--resume",
     ])
+    evaluation = root / "eval.json"
+    _run("speculative decoding check", [
+        sys.executable, "-m", "dflash.train.eval_cli", "--target", str(target), "--drafter", str(run / "drafter"),
+        "--prompts", str(sample_corpus_path()), "--limit", "4", "--max-new-tokens", "32", "--device", "cpu",
+        "--dtype", "float32", "--json", str(evaluation),
+    ])
+    _run("report", [sys.executable, "-m", "dflash.train.report", "--run", str(run)])
+    spec = json.loads(evaluation.read_text())
     fs = FeatureStore(store)
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
     losses = [r["loss"] for r in records if "loss" in r]
@@ -64,6 +73,9 @@ def main(out: str, steps: int) -> None:
         f"metrics      {run / 'metrics.jsonl'}",
         f"loss         {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps" if losses else "loss         n/a",
         f"offline tau  {taus[0]:.3f} -> {taus[-1]:.3f} (accepted tokens per block, held-out)" if taus else "offline tau  n/a",
+        f"dflash-eval  tau {spec['tau']:.2f} on {spec['num_prompts']} prompts, lossless {spec['all_lossless']}, "
+        f"speedup {spec['speedup']:.2f}x  ({evaluation})",
+        f"report       {run / 'report.png'}",
         f"wall time    {time.perf_counter() - started:.0f} s",
     ]))
 
