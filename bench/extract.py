@@ -17,7 +17,6 @@ causal attention, over real (unpadded) tokens, against a bf16 matmul rate measur
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import emit
 from dflash.data.tokenize import TokenizedSample
 from dflash.extract.plan import padded_fraction, plan_batches
 from dflash.extract.target import HiddenStateCapture, decoder_layers, drop_unused_modules
@@ -216,10 +216,7 @@ def main() -> None:
         if "naive" in result:
             r["speedup_vs_naive"] = result["naive"]["seconds"] / r["seconds"]
     result["pipeline"] = runs
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

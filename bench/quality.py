@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import emit
 from bench.compression import package_dir, smollm2_folder
 
 
@@ -118,10 +119,7 @@ def main() -> None:
         "all_lossless": all(r["all_lossless"] for r in reports.values()),
         "seconds": {"extract": t1 - t0, "train": t2 - t1, "total": time.perf_counter() - started},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

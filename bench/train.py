@@ -14,7 +14,6 @@ bf16 features through the trainer's DataLoader and compared with the packs/s the
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import emit
 from bench.extract import matmul_tflops, qwen3_8b_config
 from dflash.shared.blocks import default_gamma
 from dflash.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
@@ -179,10 +179,7 @@ def main() -> None:
     packs_per_s = loader_rate(scratch / "store", args.loader_workers, packs=40)
     result["loader"] = {"workers": args.loader_workers, "packs_per_s": packs_per_s,
                         "consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":
