@@ -237,9 +237,9 @@ def test_reader_pickles_and_feeds_a_two_worker_dataloader(tmp_path):
     write_store(tmp_path, seed=7, n_batches=12)
     write_manifest_for(tmp_path, complete=True)
     store = FeatureStore(tmp_path)
-    store[0]  # open the zarr arrays in this process: they must not travel in the pickle
+    store[0]  # open the shard files in this process: they must not travel in the pickle
     clone = pickle.loads(pickle.dumps(store))
-    assert clone._arrays is None and stores_equal(store, clone)
+    assert clone._readers is None and stores_equal(store, clone)
     loader = torch.utils.data.DataLoader(store, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     samples = expected_samples(7, 12)
     got = list(loader)
@@ -280,9 +280,7 @@ def _child(root: str, kill_point: str | None, nth: int) -> None:
 
 
 def _arm(point: str, nth: int, root: Path) -> None:
-    import zarr.storage._local as local
-
-    from dflash.shared import manifest, store
+    from dflash.shared import manifest, shard_io, store
 
     hits = [0]
 
@@ -308,19 +306,18 @@ def _arm(point: str, nth: int, root: Path) -> None:
         before(W_, "_write_progress")
     elif point == "mid-progress":  # temp record written, rename never happens
         before(manifest.os, "replace", lambda src, dst: str(dst).endswith("progress.json"))
-    elif point == "mid-shard-write":  # a torn temp file, as if killed inside the write
-        original_put = local._put
+    elif point == "mid-shard-write":  # a torn temp file, as if killed inside a shard file's write
+        original_writev = shard_io._writev_all
 
-        def put(path, value, exclusive=False):
-            if "hidden_states/c/" in str(path):
-                hits[0] += 1
-                if hits[0] == nth:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    Path(f"{path}.deadbeef.partial").write_bytes(bytes(value.as_buffer_like())[: len(value) // 2])
-                    os.kill(os.getpid(), signal.SIGKILL)
-            return original_put(path, value, exclusive)
+        def torn(fd, pieces):
+            hits[0] += 1
+            if hits[0] == nth:
+                data = b"".join(bytes(p) for p in pieces)
+                os.write(fd, data[: len(data) // 2])
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original_writev(fd, pieces)
 
-        local._put = put
+        shard_io._writev_all = torn
     elif point == "finalize-after-trim":  # arrays trimmed, last partial shard not yet written
         before(W_, "_write_tokens", lambda self, start, stop: stop % self.shard_tokens != 0)
     elif point == "finalize-before-done":
