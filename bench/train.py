@@ -25,8 +25,7 @@ from bench import emit
 from bench.extract import matmul_tflops, qwen3_8b_config
 from dflash.shared.blocks import default_gamma
 from dflash.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
-from dflash.train.dataset import PackDataset, PackSpec, make_loader
-from dflash.train.packing import plan_packs
+from dflash.train.dataset import PackSpec, StepDataset, StepPlan, make_loader
 from dflash.train.step import pack_loss, to_device
 
 S, N, B = 4096, 256, 16
@@ -112,24 +111,55 @@ def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: 
     mf.mark_complete(root, mf.load_manifest(root), shards=[shard], weights_fingerprint="x", counts={})
 
 
-def loader_rate(root: Path, workers: int, packs: int) -> float:
+def loader_rate(root: Path, workers: int, steps: int) -> float:
+    """Batches (one pack each) per second through the trainer's loader into GPU memory."""
     from dflash.shared.store import FeatureStore
 
     store = FeatureStore(root)
-    plan = plan_packs(np.arange(len(store)), np.asarray(store.lengths), S, 0, 0)
-    plan = (plan * (packs // len(plan) + 1))[:packs]
-    ds = PackDataset(str(root), plan, PackSpec(S, N, B, 0, 512), 0, 0)
-    loader = make_loader(ds, 1, 0, workers, pin=True)
+    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), S, 0, rank=0, world=1, packs_per_step=1)
+    schedule: list[tuple[int, int]] = []
+    epoch = 0
+    while len(schedule) <= steps:
+        schedule += [(epoch, k) for k in range(plan.steps_in(epoch))]
+        epoch += 1
+    loader = make_loader(StepDataset(str(root), plan, PackSpec(S, N, B, 0, 512)), schedule[: steps + 1], workers, pin=True)
     it = iter(loader)
-    first = next(it)  # worker start-up is not what a long run pays per step
-    to_device(first, torch.device("cuda"))
+    to_device(next(it)[2], torch.device("cuda"))  # worker start-up is paid once per run, not per step
     t = time.perf_counter()
-    n = 0
-    for batch in it:
+    for _, _, batch in it:
         to_device(batch, torch.device("cuda"))
-        n += 1
     torch.cuda.synchronize()
-    return n / (time.perf_counter() - t)
+    return steps / (time.perf_counter() - t)
+
+
+def attention_only(cfg: DFlashConfig, batch: dict[str, torch.Tensor], iters: int = 20) -> dict[str, float]:
+    """Forward + backward of one attention call at the drafter's shapes and this batch's mask:
+    compiled flex with its BlockMask against SDPA with the same rule as a dense bool mask."""
+    from dflash.shared import attention as attn
+
+    mask_args = [batch[k] for k in ("anchor_pos", "block_doc", "block_valid", "context_doc")]
+    block_mask = attn.build_block_mask(*mask_args, B, device="cuda")
+    dense = attn.dense_mask(*mask_args, B)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hd, Q = cfg.head_dim, N * B
+    q = torch.randn(1, cfg.num_attention_heads, Q, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(1, cfg.num_key_value_heads, S + Q, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    scale = hd ** -0.5
+    paths = {"flex_compiled": lambda: attn.flex_attention_compiled(q, k, v, block_mask, scale),
+             "sdpa_dense": lambda: attn.sdpa_dense_attention(q, k, v, dense, scale)}
+    out: dict[str, float] = {"block_sparsity_pct": float(block_mask.sparsity())}
+    for name, fn in paths.items():
+        for _ in range(3):
+            fn().sum().backward()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn().sum().backward()
+        torch.cuda.synchronize()
+        out[f"{name}_ms"] = (time.perf_counter() - t) / iters * 1e3
+    out["compiled_flex_speedup"] = out["sdpa_dense_ms"] / out["flex_compiled_ms"]
+    return out
 
 
 def main() -> None:
@@ -138,7 +168,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=5, help="drafter decoder layers")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--loader-workers", type=int, default=6)
+    ap.add_argument("--loader-workers", type=int, default=8)
     ap.add_argument("--skip-eager", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -176,7 +206,8 @@ def main() -> None:
     scratch = Path(args.scratch)
     shutil.rmtree(scratch, ignore_errors=True)
     synthetic_store(scratch / "store", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500)
-    packs_per_s = loader_rate(scratch / "store", args.loader_workers, packs=40)
+    result["attention_only"] = attention_only(cfg, batch)
+    packs_per_s = loader_rate(scratch / "store", args.loader_workers, steps=40)
     result["loader"] = {"workers": args.loader_workers, "packs_per_s": packs_per_s,
                         "consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc}
     emit(result, args.json)

@@ -21,7 +21,7 @@ from dflash.extract.run import run_extraction
 from dflash.shared.launch import free_port, spawn_ranks
 from dflash.shared.store import FeatureStore
 from dflash.train.config import TrainConfig
-from dflash.train.dataset import PackDataset, PackSpec
+from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch, make_loader
 from dflash.train.loop import TrainingError, build_model, init_distributed
 from dflash.train.packing import plan_packs, rank_slice
 from dflash.train.run import run_training
@@ -62,8 +62,7 @@ def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None
         spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, 512)
         per_rank = 2 // world
         packs = rank_slice(plan_packs(np.arange(len(store)), lengths, cfg.pack_tokens, 0, 0), rank, world, per_rank)
-        ds = PackDataset(cfg.store, packs[:per_rank], spec, 0, 0)
-        batch = torch.utils.data.default_collate([ds[j] for j in range(per_rank)])
+        batch = build_batch(store, packs[:per_rank], spec, 0, 0)
         loss_sum, weight, _ = pack_loss(ddp, head, batch, "sdpa_dense", 4.0)
         global_weight, = all_sum([float(weight)], device)
         (loss_sum * (world / global_weight)).backward()
@@ -71,6 +70,25 @@ def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_loader_workers_deliver_the_planned_batches_across_epochs(store_dir):
+    """One loader for the whole run: two spawned workers, shared-memory batches, an epoch boundary
+    crossed; every batch equals the same step built in this process."""
+    store = FeatureStore(store_dir)
+    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=3, rank=1, world=2, packs_per_step=2)
+    spec = PackSpec(256, 16, 8, 0, 512)
+    first = plan.steps_in(0)
+    schedule = [(0, first - 1), (1, 0), (1, 1)]
+    got = list(make_loader(StepDataset(str(store_dir), plan, spec), schedule, workers=2, pin=False))
+    assert [(e, k) for e, k, _ in got] == schedule
+    for epoch, k, batch in got:
+        packs = plan.epoch_packs(epoch)[2 * k : 2 * k + 2]
+        want = build_batch(store, packs, spec, 3, epoch)
+        assert batch.keys() == want.keys() and batch["context_hidden"].shape == (2, 256, store.hidden_width)
+        assert all(torch.equal(batch[key], want[key]) for key in want), (epoch, k)
+    hidden, doc = got[0][2]["context_hidden"], got[0][2]["context_doc"]
+    assert not hidden[doc < 0].any() and hidden[doc >= 0].abs().sum() > 0  # padding is zero, samples are not
 
 
 @pytest.mark.slow

@@ -6,13 +6,16 @@ whichever worker builds it and whether or not the run was resumed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from dflash.shared.blocks import build_blocks, sample_anchors
 from dflash.shared.store import FeatureStore
+from dflash.train.packing import plan_packs, rank_slice
 
 
 @dataclass(frozen=True)
@@ -26,19 +29,40 @@ class PackSpec:
     max_anchors_per_sample: int
 
 
-class PackDataset(Dataset):
-    """Item j = pack j of this rank's epoch plan, as fixed-shape tensors."""
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """Which packs rank `rank` trains on at step k of an epoch: a pure function of the seed, so any
+    worker process (and a resumed run) rebuilds the same plan."""
 
-    def __init__(self, store_root: str, packs: list[list[int]], spec: PackSpec, seed: int, epoch: int):
+    train_ids: np.ndarray
+    lengths: np.ndarray
+    pack_tokens: int
+    seed: int
+    rank: int
+    world: int
+    packs_per_step: int
+
+    def epoch_packs(self, epoch: int) -> list[list[int]]:
+        return rank_slice(plan_packs(self.train_ids, self.lengths, self.pack_tokens, self.seed, epoch),
+                          self.rank, self.world, self.packs_per_step)
+
+    def steps_in(self, epoch: int) -> int:
+        return len(self.epoch_packs(epoch)) // self.packs_per_step
+
+
+class StepDataset(Dataset):
+    """Item (epoch, k) = (epoch, k, the batch of this rank's step k of that epoch).
+
+    One loader serves the whole run (a list of (epoch, k) is its sampler), so its worker processes
+    start once instead of at every epoch.
+    """
+
+    def __init__(self, store_root: str, plan: StepPlan, spec: PackSpec) -> None:
         self.store_root = store_root
-        self.packs = packs
+        self.plan = plan
         self.spec = spec
-        self.seed = seed
-        self.epoch = epoch
         self._store: FeatureStore | None = None  # opened lazily, once per worker process
-
-    def __len__(self) -> int:
-        return len(self.packs)
+        self._packs: tuple[int, list[list[int]]] | None = None  # (epoch, its packs), the latest epoch asked for
 
     @property
     def store(self) -> FeatureStore:
@@ -47,19 +71,39 @@ class PackDataset(Dataset):
         return self._store
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_store"] = None
-        return state
+        return {**self.__dict__, "_store": None, "_packs": None}
 
-    def __getitem__(self, j: int) -> dict[str, torch.Tensor]:
-        return build_pack(self.store, self.packs[j], self.spec, self.seed, self.epoch)
+    def __getitem__(self, item: tuple[int, int]) -> tuple[int, int, dict[str, torch.Tensor]]:
+        epoch, k = item
+        if self._packs is None or self._packs[0] != epoch:
+            self._packs = (epoch, self.plan.epoch_packs(epoch))
+        n = self.plan.packs_per_step
+        packs = self._packs[1][k * n : (k + 1) * n]
+        return epoch, k, build_batch(self.store, packs, self.spec, self.plan.seed, epoch)
 
 
-def build_pack(store: FeatureStore, sample_ids: list[int], spec: PackSpec, seed: int, epoch: int) -> dict[str, torch.Tensor]:
-    """Concatenate samples into one context of `pack_tokens`, draw anchors per sample, build blocks."""
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialised tensor; in shared memory when it will travel to the main process, so the
+    DataLoader sends a handle instead of copying it (as default_collate does for its batches)."""
+    if not shared:
+        return torch.empty(shape, dtype=dtype)
+    proto = torch.empty(0, dtype=dtype)
+    return proto.new(proto._typed_storage()._new_shared(math.prod(shape))).view(shape)
+
+
+def build_batch(store: FeatureStore, packs: list[list[int]], spec: PackSpec, seed: int, epoch: int) -> dict[str, torch.Tensor]:
+    """Packs stacked along a leading axis; hidden states are decoded straight into the batch tensor."""
+    shared = get_worker_info() is not None
+    hidden = _empty((len(packs), spec.pack_tokens, store.hidden_width), store.hidden_dtype, shared)
+    parts = [build_pack(store, sample_ids, spec, seed, epoch, hidden[j]) for j, sample_ids in enumerate(packs)]
+    return {"context_hidden": hidden, **{key: torch.stack([p[key] for p in parts]) for key in parts[0]}}
+
+
+def build_pack(store: FeatureStore, sample_ids: list[int], spec: PackSpec, seed: int, epoch: int,
+               hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Concatenate samples into one context of `pack_tokens` (their hidden states go into `hidden`,
+    [S, W], zero past the last sample), draw anchors per sample, build blocks."""
     S = spec.pack_tokens
-    width = store.hidden_width
-    hidden = torch.zeros(S, width, dtype=store.hidden_dtype)
     ids = torch.zeros(S, dtype=torch.long)
     mask = torch.zeros(S, dtype=torch.bool)
     doc = torch.full((S,), -1, dtype=torch.long)
@@ -67,26 +111,25 @@ def build_pack(store: FeatureStore, sample_ids: list[int], spec: PackSpec, seed:
     anchors = []
     start = 0
     for d, sid in enumerate(sample_ids):
-        sample = store[sid]
-        n = min(len(sample.input_ids), S - start)
+        shard, first, stop, _ = store.sample_span(sid)
+        n = min(stop - first, S - start)
         if n <= 0:
             break
         sl = slice(start, start + n)
-        ids[sl] = sample.input_ids[:n]
-        mask[sl] = sample.loss_mask[:n]
-        hidden[sl] = sample.hidden_states[:n]
+        ids[sl], mask[sl], _ = store.read_tokens(shard, first, first + n, hidden_out=hidden[sl])
         doc[sl] = d
         pos[sl] = torch.arange(n)
         gen = torch.Generator().manual_seed(hash_seed(seed, epoch, sid))
         anchors.append(sample_anchors(mask[sl], spec.max_anchors_per_sample, gen) + start)
         start += n
+    hidden[start:] = 0
     anchors_all = torch.cat(anchors) if anchors else torch.zeros(0, dtype=torch.long)
     if len(anchors_all) > spec.num_blocks:
         gen = torch.Generator().manual_seed(hash_seed(seed, epoch, -1 - sample_ids[0]))
         keep = torch.randperm(len(anchors_all), generator=gen)[: spec.num_blocks]
         anchors_all = anchors_all[keep.sort().values]
     blocks = build_blocks(ids, doc, pos, mask, anchors_all, spec.num_blocks, spec.block_size, spec.mask_token_id)
-    return {"context_hidden": hidden, "context_doc": doc, "context_positions": pos, **blocks}
+    return {"context_doc": doc, "context_positions": pos, **blocks}
 
 
 def hash_seed(seed: int, epoch: int, sample_id: int) -> int:
@@ -97,17 +140,14 @@ def hash_seed(seed: int, epoch: int, sample_id: int) -> int:
     return x >> 1
 
 
-def make_loader(dataset: PackDataset, packs_per_step: int, start_step: int, workers: int, pin: bool, prefetch: int = 4) -> DataLoader:
-    """Batches of `packs_per_step` packs from step `start_step` on (resume skips without reading)."""
-    indices = list(range(start_step * packs_per_step, len(dataset)))
+def make_loader(dataset: StepDataset, steps: list[tuple[int, int]], workers: int, pin: bool, prefetch: int = 4) -> DataLoader:
+    """Batches for the given (epoch, step) list, in order, built by `workers` processes."""
     return DataLoader(
-        torch.utils.data.Subset(dataset, indices),
-        batch_size=packs_per_step,
-        shuffle=False,
-        drop_last=True,
+        dataset,
+        batch_size=None,
+        sampler=steps,
         num_workers=workers,
         pin_memory=pin,
         prefetch_factor=prefetch if workers > 0 else None,
-        persistent_workers=False,
         multiprocessing_context="spawn" if workers > 0 else None,
     )

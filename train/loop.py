@@ -18,16 +18,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
 from dflash.shared.blocks import default_gamma
 from dflash.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
 from dflash.shared.launch import UserError
+from dflash.shared.progress import progress_bar
 from dflash.shared.store import FeatureStore
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig
-from dflash.train.dataset import PackDataset, PackSpec, make_loader
-from dflash.train.packing import plan_packs, rank_slice, split_holdout, steps_per_epoch
+from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch, make_loader
+from dflash.train.packing import plan_packs, rank_slice, split_holdout
 from dflash.train.setup import (
     load_target_config,
     resolve_mask_token,
@@ -125,13 +125,16 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
     lengths = np.asarray(store.lengths)
     train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed)
     spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, cfg.max_anchors_per_sample)
-    epoch_steps = steps_per_epoch(len(plan_packs(train_ids, lengths, cfg.pack_tokens, cfg.seed, 0)), world, cfg.packs_per_step)
-    if epoch_steps == 0:
+    plan = StepPlan(train_ids, lengths, cfg.pack_tokens, cfg.seed, rank, world, cfg.packs_per_step)
+    epoch_steps = [plan.steps_in(epoch) for epoch in range(cfg.epochs)]
+    if 0 in epoch_steps:
         raise TrainingError(
             f"{cfg.store}: {len(train_ids)} training samples fill fewer packs than one step needs "
-            f"({world} ranks x {cfg.packs_per_step} packs of {cfg.pack_tokens} tokens); lower --pack-tokens"
+            f"({world} ranks x {cfg.packs_per_step} packs of {cfg.pack_tokens} tokens) in epoch "
+            f"{epoch_steps.index(0)}; lower --pack-tokens"
         )
-    total_steps = epoch_steps * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, epoch_steps * cfg.epochs)
+    schedule = [(epoch, k) for epoch, n in enumerate(epoch_steps) for k in range(n)]
+    total_steps = len(schedule) if cfg.max_steps is None else min(cfg.max_steps, len(schedule))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                   fused=device.type == "cuda")
@@ -162,63 +165,52 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     eval_packs = rank_slice(plan_packs(eval_ids, lengths, cfg.pack_tokens, cfg.seed, EVAL_EPOCH), rank, world, 1) if len(eval_ids) else []
 
-    bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
+    bar = progress_bar(total=total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0)
     last_loss, tau, rate = state.last_loss, None, 0.0
     window_tokens, window_start = 0, time.perf_counter()
-    while state.step < total_steps:
-        packs = rank_slice(plan_packs(train_ids, lengths, cfg.pack_tokens, cfg.seed, state.epoch), rank, world, cfg.packs_per_step)
-        if len(packs) < cfg.packs_per_step:  # (a resume exactly at an epoch's end yields nothing, and that is fine)
-            raise TrainingError(f"{cfg.store}: epoch {state.epoch} produced no training step's worth of packs")
-        loader = make_loader(PackDataset(cfg.store, packs, spec, cfg.seed, state.epoch), cfg.packs_per_step,
-                             state.step_in_epoch, cfg.loader_workers, device.type == "cuda")
-        for batch in loader:
-            batch = to_device(batch, device)
-            model.train()
-            with autocast:
-                loss_sum, weight, stats = pack_loss(ddp, head, batch, backend, gamma)
-            global_weight, = all_sum([float(weight)], device)
-            loss = loss_sum * (world / max(global_weight, 1e-12))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-            reduced = all_sum([float(loss_sum.detach()), float(grad_norm)] + stats["correct"].tolist() + stats["total"].tolist(), device)
-            step_loss = reduced[0] / max(global_weight, 1e-12)
-            if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
-                raise TrainingError(
-                    f"loss became {step_loss} at step {state.step + 1}; stopped, the last good checkpoint is "
-                    f"{ckpt.latest_checkpoint(out) or 'none (no checkpoint was written yet)'}"
-                )
-            optimizer.step()
-            scheduler.step()
-            state.step += 1
-            state.step_in_epoch += 1
-            state.last_loss = last_loss = step_loss
-            window_tokens += int((batch["context_doc"] >= 0).sum()) * world
-            if state.step % cfg.log_every == 0 or state.step == total_steps:
-                elapsed = time.perf_counter() - window_start
-                rate = window_tokens / elapsed if elapsed > 0 else 0.0
-                k = (len(reduced) - 2) // 2
-                correct, totals = np.array(reduced[2 : 2 + k]), np.array(reduced[2 + k :])
-                metrics.write({
-                    "step": state.step, "epoch": state.epoch, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": reduced[1] / world, "tokens_per_s": rate,
-                    "acc": [round(c / t, 4) if t else None for c, t in zip(correct, totals)],
-                })
-                window_tokens, window_start = 0, time.perf_counter()
-                bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}")
-            bar.update(1)
-            if eval_packs and (state.step % cfg.eval_every == 0 or state.step == total_steps):
-                tau = evaluate(model, head, cfg, eval_packs, spec, backend, device, autocast, gamma)
-                metrics.write({"step": state.step, "type": "eval", "tau": tau})
-            if state.step % cfg.checkpoint_every == 0 or state.step == total_steps:
-                save_all(rank, out, model, optimizer, scheduler, state, cfg)
-            if state.step >= total_steps:
-                break
-        else:  # this epoch's packs are used up (their number varies a little with the shuffle)
-            state.epoch += 1
-            state.step_in_epoch = 0
-            if cfg.max_steps is None and state.epoch >= cfg.epochs:
-                break
+    loader = make_loader(StepDataset(cfg.store, plan, spec), schedule[state.step : total_steps], cfg.loader_workers,
+                         device.type == "cuda")
+    for epoch, k, batch in loader:
+        batch = to_device(batch, device)
+        model.train()
+        with autocast:
+            loss_sum, weight, stats = pack_loss(ddp, head, batch, backend, gamma)
+        global_weight, = all_sum([float(weight)], device)
+        loss = loss_sum * (world / max(global_weight, 1e-12))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+        reduced = all_sum([float(loss_sum.detach()), float(grad_norm)] + stats["correct"].tolist() + stats["total"].tolist(), device)
+        step_loss = reduced[0] / max(global_weight, 1e-12)
+        if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
+            raise TrainingError(
+                f"loss became {step_loss} at step {state.step + 1}; stopped, the last good checkpoint is "
+                f"{ckpt.latest_checkpoint(out) or 'none (no checkpoint was written yet)'}"
+            )
+        optimizer.step()
+        scheduler.step()
+        state.step += 1
+        state.epoch, state.step_in_epoch = epoch, k + 1
+        state.last_loss = last_loss = step_loss
+        window_tokens += int((batch["context_doc"] >= 0).sum()) * world
+        if state.step % cfg.log_every == 0 or state.step == total_steps:
+            elapsed = time.perf_counter() - window_start
+            rate = window_tokens / elapsed if elapsed > 0 else 0.0
+            n_pos = (len(reduced) - 2) // 2
+            correct, totals = np.array(reduced[2 : 2 + n_pos]), np.array(reduced[2 + n_pos :])
+            metrics.write({
+                "step": state.step, "epoch": state.epoch, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                "grad_norm": reduced[1] / world, "tokens_per_s": rate,
+                "acc": [round(c / t, 4) if t else None for c, t in zip(correct, totals)],
+            })
+            window_tokens, window_start = 0, time.perf_counter()
+            bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}")
+        bar.update(1)
+        if eval_packs and (state.step % cfg.eval_every == 0 or state.step == total_steps):
+            tau = evaluate(model, head, cfg, store, eval_packs, spec, backend, device, autocast, gamma)
+            metrics.write({"step": state.step, "type": "eval", "tau": tau})
+        if state.step % cfg.checkpoint_every == 0 or state.step == total_steps:
+            save_all(rank, out, model, optimizer, scheduler, state, cfg)
     bar.close()
     if rank == 0:
         model.save_pretrained(out / "drafter")
@@ -235,13 +227,12 @@ def save_all(rank, out, model, optimizer, scheduler, state, cfg) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, head, cfg, eval_packs, spec, backend, device, autocast, gamma) -> float:
+def evaluate(model, head, cfg, store, eval_packs, spec, backend, device, autocast, gamma) -> float:
     """Mean offline acceptance length over the held-out packs (all ranks), the drafter in eval mode."""
     model.eval()
-    dataset = PackDataset(cfg.store, eval_packs, spec, cfg.seed, EVAL_EPOCH)
     total, count = 0.0, 0
-    for j in range(len(dataset)):
-        batch = to_device({k: v[None] for k, v in dataset[j].items()}, device)
+    for pack in eval_packs:
+        batch = to_device(build_batch(store, [pack], spec, cfg.seed, EVAL_EPOCH), device)
         with autocast:
             _, _, stats = pack_loss(model, head, batch, backend, gamma)
         accepted = block_acceptance(batch, stats["pred"], cfg.block_size)

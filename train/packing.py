@@ -45,6 +45,3 @@ def rank_slice(packs: list[list[int]], rank: int, world_size: int, packs_per_ste
     mine = packs[rank::world_size]
     return mine[: steps * packs_per_step]
 
-
-def steps_per_epoch(num_packs: int, world_size: int, packs_per_step: int) -> int:
-    return num_packs // (world_size * packs_per_step)
