@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import GenerationConfig
 
 from dflash.data.chat import stop_token_ids
 from dflash.data.records import Record
+from dflash.shared.progress import progress_bar
 
 REGENERATED_DIR = "regenerated"
 
@@ -120,7 +120,7 @@ def regenerate_records(
     generator: ReplyGenerator | None = None
     out: list[Record] = []
     groups = list(_chunks(records, settings.group_size))
-    bar = tqdm(total=len(records), unit="conv", desc=f"regenerate rank {rank}", disable=rank != 0, dynamic_ncols=True)
+    bar = progress_bar(total=len(records), unit="conv", desc=f"regenerate rank {rank}", disable=rank != 0)
     with open(cache, "a", encoding="utf-8") as sink:
         for group_no, group in enumerate(groups):
             if all(r.index in done for r in group):

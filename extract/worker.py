@@ -29,6 +29,7 @@ from dflash.extract.target import (
     forward_hidden_states,
     load_truncated_target,
 )
+from dflash.shared.progress import progress_bar
 from dflash.shared.store import StoreWriter
 
 
@@ -229,8 +230,7 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         runner = BatchRunner(model, layer_ids, device, getattr(torch, cfg.store_dtype), pad_id)
         total = sum(lengths[i] for b in todo for i in b)
-        bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0,
-                   dynamic_ncols=True)
+        bar = progress_bar(total=total, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0)
         try:
             summary.computed_tokens, summary.writer_wait_s = run_batches(runner, samples, todo, writer, progress=bar)
         finally:

@@ -9,6 +9,7 @@ output is therefore exactly the target's greedy output (lossless); only the spee
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -44,6 +45,12 @@ def _stop_at(tokens: list[int], stop_ids: set[int], limit: int) -> list[int]:
     return tokens[:limit]
 
 
+def _cache_kwarg(target: nn.Module) -> str:
+    """Name of the forward's KV-cache argument: `cache` in newer transformers (5.24 warns on
+    `past_key_values`, removed in 5.40), `past_key_values` in older ones (5.17 has no `cache`)."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
 def _truncate_cache(cache: DynamicCache, length: int) -> None:
     """Drop cached positions from `length` on. A negative `crop` argument means "remove this many"
     in every transformers version we support (the meaning of a positive one changed in 5.x)."""
@@ -59,10 +66,11 @@ def target_greedy(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
     _sync(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    kv = {_cache_kwarg(target): cache}
+    out = target(input_ids=prompt[None], **kv, use_cache=True, logits_to_keep=1)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache, use_cache=True)
+        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), **kv, use_cache=True)
         tokens.append(int(out.logits[0, -1].argmax()))
     _sync(device)
     return Generation(tokens, time.perf_counter() - start)
@@ -88,7 +96,8 @@ def dflash_generate(
     _sync(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    kv = {_cache_kwarg(target): cache}
+    out = target(input_ids=prompt[None], **kv, use_cache=True, logits_to_keep=1)
     features = torch.cat(capture.take(), dim=-1)  # [1, P, n_layers*H]
     feature_positions = torch.arange(len(prompt), device=device)[None]
     tokens = [int(out.logits[0, -1].argmax())]
@@ -103,7 +112,7 @@ def dflash_generate(
                                       embed(block).to(drafter.fc.weight.dtype) * scale, positions, draft_cache)
         drafts = drafter.compute_logits(hidden[:, 1:], lm_head.to(hidden.dtype)).argmax(-1)
         block[0, 1:] = drafts[0]
-        out = target(input_ids=block, past_key_values=cache, use_cache=True)
+        out = target(input_ids=block, **kv, use_cache=True)
         verified = out.logits[0].argmax(-1)  # target's next token after each block position
         match = (block[0, 1:] == verified[:-1]).int().cumprod(0)
         n_ok = int(match.sum())

@@ -1,0 +1,19 @@
+"""Progress bars that stay readable in log files as well as in a terminal."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+LOG_INTERVAL_S = 30.0  # with stderr redirected to a log, one bar line (rate, ETA) per this many seconds
+
+
+def progress_bar(**kwargs: Any) -> tqdm:
+    """A tqdm on stderr. When stderr is not a terminal every refresh is a new log line, so refresh
+    only every LOG_INTERVAL_S; tqdm's monitor thread forces a refresh after `maxinterval` (10 s by
+    default), so that is raised to match."""
+    if not sys.stderr.isatty():
+        kwargs = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S, **kwargs}
+    return tqdm(dynamic_ncols=True, **kwargs)
