@@ -98,6 +98,50 @@ def test_oracle_drafter_is_accepted_up_to_its_first_wrong_token(target, tiny_tok
     assert spec.tau > 3
 
 
+@torch.no_grad()
+def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny_tokenizer, monkeypatch):
+    """Train/inference consistency: every block the decoder drafts online has the logits the training
+    path (build_blocks + dense mask + full forward over stored-style features) gives for the same
+    anchor of the final sequence. Positions, context visibility or feature hand-off that differ
+    between the two would change them."""
+    from dflash.shared.blocks import build_blocks
+    from dflash.shared.drafter import TargetHead
+    from dflash.train.step import drafter_hidden
+
+    drafter = random_drafter(target, seed=3)
+    lm_head = target.get_output_embeddings().weight
+    online: list[torch.Tensor] = []
+    compute = drafter.compute_logits
+
+    def recording(hidden, weight):
+        logits = compute(hidden, weight)
+        online.append(logits[0].clone())
+        return logits
+
+    monkeypatch.setattr(drafter, "compute_logits", recording)
+    capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
+    try:
+        p = prompts(tiny_tokenizer, 1)[0]
+        gen = dflash_generate(target, drafter, capture, p, 48, set())
+        sequence = torch.cat([p, torch.tensor(gen.tokens)])
+        target(input_ids=sequence[None])
+        features = torch.cat(capture.take(), dim=-1)[0]  # what extraction stores for this sequence
+    finally:
+        capture.close()
+    anchors = len(p) + torch.tensor([0] + gen.accepted[:-1]).cumsum(0)  # each block's first token
+    assert len(online) == len(anchors) > 5
+    S = len(sequence)
+    blocks = build_blocks(sequence, torch.zeros(S, dtype=torch.long), torch.arange(S), torch.ones(S, dtype=torch.bool),
+                          anchors, len(anchors), B, drafter.config.mask_token_id)
+    batch = {"context_hidden": features, "context_doc": torch.zeros(S, dtype=torch.long),
+             "context_positions": torch.arange(S), **blocks}
+    batch = {k: v[None] for k, v in batch.items()}
+    head = TargetHead(target.get_input_embeddings().weight, lm_head)
+    offline = compute(drafter_hidden(drafter, head, batch, "sdpa_dense"), lm_head)[0].reshape(len(anchors), B, -1)
+    for k, logits in enumerate(online):
+        torch.testing.assert_close(logits, offline[k, 1:], rtol=1e-4, atol=1e-4, msg=lambda m: f"block {k}: {m}")
+
+
 def test_generation_stops_at_a_stop_token(target, tiny_tokenizer):
     p = prompts(tiny_tokenizer, 1)[0]
     ref = target_greedy(target, p, 30, set()).tokens
