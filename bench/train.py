@@ -111,8 +111,9 @@ def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: 
     mf.mark_complete(root, mf.load_manifest(root), shards=[shard], weights_fingerprint="x", counts={})
 
 
-def loader_rate(root: Path, workers: int, steps: int) -> float:
-    """Batches (one pack each) per second through the trainer's loader into GPU memory."""
+def loader_rate(root: Path, workers: int, steps: int, pin: bool = True) -> float:
+    """Batches (one pack each) per second through the trainer's loader into GPU memory;
+    `workers=0` builds them in this process (the per-process build rate, no IPC, no pinning)."""
     from dflash.shared.store import FeatureStore
 
     store = FeatureStore(root)
@@ -122,7 +123,7 @@ def loader_rate(root: Path, workers: int, steps: int) -> float:
     while len(schedule) <= steps:
         schedule += [(epoch, k) for k in range(plan.steps_in(epoch))]
         epoch += 1
-    loader = make_loader(StepDataset(str(root), plan, PackSpec(S, N, B, 0, 512)), schedule[: steps + 1], workers, pin=True)
+    loader = make_loader(StepDataset(str(root), plan, PackSpec(S, N, B, 0, 512)), schedule[: steps + 1], workers, pin=pin)
     it = iter(loader)
     to_device(next(it)[2], torch.device("cuda"))  # worker start-up is paid once per run, not per step
     t = time.perf_counter()
@@ -170,6 +171,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--loader-workers", type=int, default=8)
     ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument("--loader-only", action="store_true", help="time only the data loader (no step, no compile)")
     args = ap.parse_args()
     device = torch.device("cuda")
     target = qwen3_8b_config(36)
@@ -187,7 +189,7 @@ def main() -> None:
               "matmul_tflops": peak, "step_tflop": flops / 1e12}
     from dflash.shared.attention import CompileCounter
 
-    backends = ["flex_compiled", "sdpa_dense"] + ([] if args.skip_eager else ["flex_eager"])
+    backends = [] if args.loader_only else ["flex_compiled", "sdpa_dense"] + ([] if args.skip_eager else ["flex_eager"])
     for backend in backends:
         with CompileCounter() as counter:
             try:
@@ -199,17 +201,21 @@ def main() -> None:
         result[backend] = {"step_s": sec, "context_tokens_per_s": S / sec, "mfu": flops / sec / (peak * 1e12),
                            "graphs_compiled": counter.count}
         torch.cuda.empty_cache()
-    fc = result["flex_compiled"]["step_s"]
+    fc = result.get("flex_compiled", {}).get("step_s")
     for other in ("sdpa_dense", "flex_eager"):
-        if "step_s" in result.get(other, {}):
+        if fc and "step_s" in result.get(other, {}):
             result[f"compiled_flex_speedup_vs_{other}"] = result[other]["step_s"] / fc
     scratch = Path(args.scratch)
     shutil.rmtree(scratch, ignore_errors=True)
     synthetic_store(scratch / "store", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500)
-    result["attention_only"] = attention_only(cfg, batch)
+    if not args.loader_only:
+        result["attention_only"] = attention_only(cfg, batch)
     packs_per_s = loader_rate(scratch / "store", args.loader_workers, steps=40)
+    # Where the loader's time goes: one process alone, and the workers without the pin-memory thread.
     result["loader"] = {"workers": args.loader_workers, "packs_per_s": packs_per_s,
-                        "consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc}
+                        **({"consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc} if fc else {}),
+                        "unpinned_packs_per_s": loader_rate(scratch / "store", args.loader_workers, steps=40, pin=False),
+                        "one_process_packs_per_s": loader_rate(scratch / "store", 0, steps=8, pin=False)}
     emit(result, args.json)
 
 
