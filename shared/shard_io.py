@@ -174,15 +174,15 @@ class ShardFormat:
         where = str(self.shard_path(shard))
         k = first
         while k <= last:
-            run_end = k
-            while (run_end < last and index[run_end, 0] != EMPTY and index[run_end + 1, 0] != EMPTY
-                   and index[run_end, 0] + index[run_end, 1] == index[run_end + 1, 0]):
-                run_end += 1
-            if index[k, 0] == EMPTY:
+            if index[k, 0] == EMPTY:  # not stored: all fill value
                 lo, hi = max(start, k * self.chunk_rows), min(stop, (k + 1) * self.chunk_rows)
                 out[lo - start : hi - start] = 0
                 k += 1
                 continue
+            run_end = k
+            while (run_end < last and index[run_end + 1, 0] != EMPTY
+                   and index[run_end, 0] + index[run_end, 1] == index[run_end + 1, 0]):
+                run_end += 1
             base = int(index[k, 0])
             span = int(index[run_end, 0] + index[run_end, 1]) - base
             blob = memoryview(os.pread(fd, span, base))

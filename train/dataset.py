@@ -49,6 +49,10 @@ class StepPlan:
     def steps_in(self, epoch: int) -> int:
         return len(self.epoch_packs(epoch)) // self.packs_per_step
 
+    def schedule(self, epochs: int) -> list[tuple[int, int]]:
+        """Every (epoch, step) of epochs 0..epochs-1 in training order (epochs differ a little in length)."""
+        return [(epoch, k) for epoch in range(epochs) for k in range(self.steps_in(epoch))]
+
 
 class StepDataset(Dataset):
     """Item (epoch, k) = (epoch, k, the batch of this rank's step k of that epoch).

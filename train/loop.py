@@ -126,14 +126,14 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
     train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed)
     spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, cfg.max_anchors_per_sample)
     plan = StepPlan(train_ids, lengths, cfg.pack_tokens, cfg.seed, rank, world, cfg.packs_per_step)
-    epoch_steps = [plan.steps_in(epoch) for epoch in range(cfg.epochs)]
-    if 0 in epoch_steps:
+    schedule = plan.schedule(cfg.epochs)
+    empty = sorted(set(range(cfg.epochs)) - {epoch for epoch, _ in schedule})
+    if empty:
         raise TrainingError(
             f"{cfg.store}: {len(train_ids)} training samples fill fewer packs than one step needs "
             f"({world} ranks x {cfg.packs_per_step} packs of {cfg.pack_tokens} tokens) in epoch "
-            f"{epoch_steps.index(0)}; lower --pack-tokens"
+            f"{empty[0]}; lower --pack-tokens"
         )
-    schedule = [(epoch, k) for epoch, n in enumerate(epoch_steps) for k in range(n)]
     total_steps = len(schedule) if cfg.max_steps is None else min(cfg.max_steps, len(schedule))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
