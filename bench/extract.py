@@ -7,7 +7,9 @@ lognormal lengths (mean ~1.5k tokens, 128..3072). Both contenders write to the s
   synchronous `.cpu()` and `np.save` per batch;
 - pipeline: the code `dflash-extract` runs (truncated decoder, hooks, length-sorted token-budget
   batches, async device->host copy into pinned memory, the crash-safe sharded Zarr writer), with the
-  forward of batch i queued before batch i-1 is written.
+  forward of batch i queued before batch i-1 is written; with HF's eager decoder layers and with
+  them compiled (`compile_decoder_layers`, dflash-extract's GPU default), each against the same
+  forward with nothing stored (the ceiling).
 MFU counts useful work only: matmul FLOPs of the decoder layers up to the last stored layer plus
 causal attention, over real (unpadded) tokens, against a bf16 matmul rate measured in this run.
 
@@ -28,7 +30,7 @@ import torch
 from bench import emit
 from dflash.data.tokenize import TokenizedSample
 from dflash.extract.plan import padded_fraction, plan_batches
-from dflash.extract.target import HiddenStateCapture, decoder_layers, drop_unused_modules
+from dflash.extract.target import HiddenStateCapture, compile_decoder_layers, decoder_layers, drop_unused_modules
 from dflash.extract.worker import BatchRunner, run_batches
 from dflash.shared.drafter import default_target_layer_ids
 from dflash.shared.store import DEFAULT_COMPRESSION, StoreWriter
@@ -176,6 +178,9 @@ def main() -> None:
     ap.add_argument("--compression", action="append", default=None,
                     help=f"store codec(s) to run, repeatable [default: none and {DEFAULT_COMPRESSION}]")
     ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument("--naive-samples", type=int, default=160, help="the naive baseline runs on the first N samples")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-layer rows")
+    ap.add_argument("--skip-eager", action="store_true", help="skip the eager-layer rows")
     args = ap.parse_args()
     scratch = Path(args.out_dir)
     shutil.rmtree(scratch, ignore_errors=True)
@@ -184,16 +189,18 @@ def main() -> None:
     layer_ids = default_target_layer_ids(full_layers)
     config = qwen3_8b_config(full_layers)
     samples = synthetic_samples(args.samples, config.vocab_size, args.mean_len)
-    tokens = sum(len(s.input_ids) for s in samples)
     peak = matmul_tflops("cuda")
     compressions = args.compression or ["none", DEFAULT_COMPRESSION]
-    result = {"layer_ids": layer_ids, "samples": len(samples), "tokens": tokens, "matmul_tflops": peak,
-              "batch_tokens": args.batch_tokens, "disk_write_GBps": disk_write_rate(scratch / "dd")}
+    result = {"layer_ids": layer_ids, "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
+              "matmul_tflops": peak, "batch_tokens": args.batch_tokens, "disk_write_GBps": disk_write_rate(scratch / "dd")}
     model = random_model(config, "cuda")
     warm = samples[:4]
+    rows = []  # (row, samples it ran on)
     if not args.skip_naive:
+        naive_samples = samples[: args.naive_samples]
         bench_naive(model, warm, layer_ids, scratch / "warm")
-        result["naive"] = bench_naive(model, samples, layer_ids, scratch / "naive")
+        result["naive"] = bench_naive(model, naive_samples, layer_ids, scratch / "naive")
+        rows.append((result["naive"], naive_samples))
         shutil.rmtree(scratch / "naive")
     # the pipeline's own model: decoder cut after the last stored layer, no LM head, no final norm
     layers = decoder_layers(model)
@@ -202,20 +209,35 @@ def main() -> None:
     model.config.layer_types = model.config.layer_types[: layer_ids[-1] + 1]
     drop_unused_modules(model)
     torch.cuda.empty_cache()
-    bench_forward_only(model, warm, layer_ids, args.batch_tokens)
-    result["forward_only"] = bench_forward_only(model, samples, layer_ids, args.batch_tokens)
-    runs = [bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, c) for c in compressions]
-    flops = useful_flops(config, layer_ids[-1] + 1, samples)
-    for r in [result.get("naive"), result["forward_only"], *runs]:
-        if r is not None:
-            r["tokens_per_s"] = tokens / r["seconds"]
-            r["mfu"] = flops / r["seconds"] / (peak * 1e12)
-    for r in runs:
-        r["bytes_per_token"] = r["bytes"] / tokens
-        r["vs_forward_only"] = result["forward_only"]["seconds"] / r["seconds"]
+    result["pipeline"] = []
+    for compiled in ([] if args.skip_eager else [False]) + ([] if args.no_compile else [True]):
+        key = "forward_only_compiled" if compiled else "forward_only"
+        if compiled:
+            from dflash.shared.attention import CompileCounter
+
+            compile_decoder_layers(model)
+            with CompileCounter() as counter:
+                t = time.perf_counter()
+                bench_forward_only(model, samples[:64], layer_ids, args.batch_tokens)  # several batch shapes
+                result["compile_warmup_s"] = time.perf_counter() - t
+            result["compile_graphs"] = counter.count
+        else:
+            bench_forward_only(model, warm, layer_ids, args.batch_tokens)
+        result[key] = bench_forward_only(model, samples, layer_ids, args.batch_tokens)
+        rows.append((result[key], samples))
+        for c in compressions if not compiled else [DEFAULT_COMPRESSION]:
+            run = bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, c)
+            run["compiled"] = compiled
+            run["vs_forward_only"] = result[key]["seconds"] / run["seconds"]
+            result["pipeline"].append(run)
+            rows.append((run, samples))
+    for r, ran in rows:
+        r["tokens_per_s"] = sum(len(s.input_ids) for s in ran) / r["seconds"]
+        r["mfu"] = useful_flops(config, layer_ids[-1] + 1, ran) / r["seconds"] / (peak * 1e12)
+    for r in result["pipeline"]:
+        r["bytes_per_token"] = r["bytes"] / result["tokens"]
         if "naive" in result:
-            r["speedup_vs_naive"] = result["naive"]["seconds"] / r["seconds"]
-    result["pipeline"] = runs
+            r["speedup_vs_naive"] = r["tokens_per_s"] / result["naive"]["tokens_per_s"]
     emit(result, args.json)
 
 

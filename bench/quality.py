@@ -28,18 +28,26 @@ from dflash.demo import run_step
 TRAIN_FILE, EVAL_FILE = "train_prompts.jsonl", "eval_prompts.jsonl"
 
 
-def first_turn_prompts(out: Path, n_train: int, n_eval: int) -> tuple[Path, Path]:
+def normalised(text: str) -> str:
+    """The key two prompts are duplicates under: stripped, lower-cased, whitespace runs as one space."""
+    return " ".join(text.lower().split())
+
+
+def first_turn_prompts(out: Path, n_train: int, n_eval: int, source: Path | None = None) -> tuple[Path, Path]:
     """Train and held-out JSONL files of single-turn ShareGPT conversations (the reply is a placeholder
-    that --regenerate replaces), from the installed ShareGPT file; short, non-empty first human turns
-    only. Written as `out`/train_prompts.jsonl and `out`/eval_prompts.jsonl, the layout --prompts reads."""
+    that --regenerate replaces), from `source` (default: the installed ShareGPT file); short, non-empty
+    first human turns only, each normalised prompt once (ShareGPT repeats "continue" and the like, and a
+    repeated prompt gets the same greedy reply: a held-out copy of a training prompt measures memory).
+    Written as `out`/train_prompts.jsonl and `out`/eval_prompts.jsonl, the layout --prompts reads."""
     from dflash.data.records import iter_records
 
-    rows = []
-    for record in iter_records(installed_sharegpt(), skip_bad=True):
+    rows, seen = [], set()
+    for record in iter_records(source or installed_sharegpt(), skip_bad=True):
         if len(rows) >= n_train + n_eval:
             break
         user = next((m["content"] for m in record.messages or [] if m["role"] == "user"), "")
-        if 8 <= len(user) <= 1500:
+        if 8 <= len(user) <= 1500 and normalised(user) not in seen:
+            seen.add(normalised(user))
             rows.append({"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": "-"}]})
     train, held_out = out / TRAIN_FILE, out / EVAL_FILE
     train.write_text("".join(json.dumps(r) + "\n" for r in rows[:n_train]))

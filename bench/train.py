@@ -6,7 +6,9 @@ training step = drafter forward, chunked weighted CE through the frozen LM head,
 Compared in the same run: compiled flex_attention (the trainer's path), dense-mask SDPA, and
 uncompiled flex. MFU counts matmul FLOPs (fwd x3 for trained weights, x2 for the frozen LM head)
 against a bf16 matmul rate measured here. The loader is timed on a real on-disk store of random
-bf16 features through the trainer's DataLoader and compared with the packs/s the step consumes.
+bf16 features through the trainer's feed (`train/feed.py`, at several worker counts; also from an
+uncompressed store) and compared with the packs/s the step consumes and with a stock DataLoader
+(pin-memory thread) over the same dataset.
 
     python -m bench.train --scratch /tmp/bench_train --json result.json
 """
@@ -25,7 +27,7 @@ from bench import emit
 from bench.extract import matmul_tflops, qwen3_8b_config
 from dflash.shared.blocks import default_gamma
 from dflash.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
-from dflash.train.dataset import PackSpec, StepDataset, StepPlan, make_loader
+from dflash.train.dataset import PackSpec, StepDataset, StepPlan
 from dflash.train.step import pack_loss, to_device
 
 S, N, B = 4096, 256, 16
@@ -86,7 +88,7 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> fl
     return (time.perf_counter() - t) / steps
 
 
-def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: int) -> None:
+def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: int, compression: str | None = None) -> None:
     """A complete on-disk store of random features, written by the real writer and manifest code."""
     from dflash.shared import manifest as mf
     from dflash.shared.store import StoreWriter
@@ -94,7 +96,7 @@ def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: 
     rng = np.random.default_rng(0)
     lengths = rng.integers(mean_len // 2, mean_len * 3 // 2, samples)
     w = StoreWriter(root, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=int(lengths.sum()),
-                    capacity_samples=samples, overwrite=True)
+                    capacity_samples=samples, overwrite=True, **({"compression": compression} if compression else {}))
     for i, L in enumerate(lengths):
         hidden = torch.from_numpy(rng.standard_normal((L, width), dtype=np.float32)).to(torch.bfloat16)
         ids = rng.integers(0, vocab, L).astype(np.int32)
@@ -111,21 +113,32 @@ def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: 
     mf.mark_complete(root, mf.load_manifest(root), shards=[shard], weights_fingerprint="x", counts={})
 
 
-def loader_rate(root: Path, workers: int, steps: int, pin: bool = True) -> float:
-    """Batches (one pack each) per second through the trainer's loader into GPU memory;
-    `workers=0` builds them in this process (the per-process build rate, no IPC, no pinning)."""
+def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> float:
+    """Batches (one pack each) per second into GPU memory. `path`: "slots", the trainer's
+    (`train/feed.py`: workers decode into page-locked shared slots, one DMA copy each); "stock", the
+    baseline (a stock DataLoader of the same dataset: a new shared tensor per batch and the pin-memory
+    thread); "inline", built in this process (`workers` ignored: the per-process build rate)."""
+    from torch.utils.data import DataLoader
+
     from dflash.shared.store import FeatureStore
+    from dflash.train.feed import device_batches
 
     store = FeatureStore(root)
     plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), S, 0, rank=0, world=1, packs_per_step=1)
     epochs = 2 + steps // plan.steps_in(0)  # one spare: epochs differ a little in length
-    loader = make_loader(StepDataset(str(root), plan, PackSpec(S, N, B, 0, 512)), plan.schedule(epochs)[: steps + 1],
-                         workers, pin=pin)
-    it = iter(loader)
-    to_device(next(it)[2], torch.device("cuda"))  # worker start-up is paid once per run, not per step
+    dataset = StepDataset(str(root), plan, PackSpec(S, N, B, 0, 512))
+    schedule = plan.schedule(epochs)[: steps + 1]
+    device = torch.device("cuda")
+    if path == "stock":
+        batches = (to_device(b, device) for _, _, b in DataLoader(
+            dataset, batch_size=None, sampler=[(e, k, None) for e, k in schedule], num_workers=workers,
+            pin_memory=True, prefetch_factor=2, multiprocessing_context="spawn"))  # blosc threads as numcodecs sets them
+    else:
+        batches = (b for _, _, b in device_batches(dataset, schedule, workers if path == "slots" else 0, device))
+    next(batches)  # worker start-up is paid once per run, not per step
     t = time.perf_counter()
-    for _, _, batch in it:
-        to_device(batch, torch.device("cuda"))
+    for _ in batches:
+        pass
     torch.cuda.synchronize()
     return steps / (time.perf_counter() - t)
 
@@ -207,12 +220,18 @@ def main() -> None:
     synthetic_store(scratch / "store", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500)
     if not args.loader_only:
         result["attention_only"] = attention_only(cfg, batch)
-    packs_per_s = loader_rate(scratch / "store", args.loader_workers, steps=40)
-    # Where the loader's time goes: one process alone, and the workers without the pin-memory thread.
+    by_workers = {w: loader_rate(scratch / "store", w, steps=60) for w in sorted({args.loader_workers // 2, args.loader_workers, 12, 14})}
+    packs_per_s = by_workers[args.loader_workers]
+    stock = loader_rate(scratch / "store", args.loader_workers, steps=40, path="stock")
     result["loader"] = {"workers": args.loader_workers, "packs_per_s": packs_per_s,
                         **({"consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc} if fc else {}),
-                        "unpinned_packs_per_s": loader_rate(scratch / "store", args.loader_workers, steps=40, pin=False),
-                        "one_process_packs_per_s": loader_rate(scratch / "store", 0, steps=8, pin=False)}
+                        "slots_packs_per_s_by_workers": by_workers, "stock_dataloader_packs_per_s": stock, "speedup_vs_stock": packs_per_s / stock,
+                        "one_process_packs_per_s": loader_rate(scratch / "store", 0, steps=8, path="inline")}
+    # the same at the largest worker count from an uncompressed store (scatter reads, no decode)
+    synthetic_store(scratch / "store_none", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500, compression="none")
+    top = max(by_workers)
+    result["loader"][f"none_codec_{top}_workers_packs_per_s"] = loader_rate(scratch / "store_none", top, steps=60)
+    result["loader"]["none_codec_one_process_packs_per_s"] = loader_rate(scratch / "store_none", 0, steps=8, path="inline")
     emit(result, args.json)
 
 

@@ -36,6 +36,8 @@ def _int_list(value: str | None) -> tuple[int, ...]:
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).")
 @click.option("--store-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16")
+@click.option("--compile/--no-compile", "compile", default=None,
+              help="Compile the decoder layers (fused norms/activations) [default: on GPU, off on CPU].")
 @click.option("--compression", default=None, help="Store codec, e.g. none, zstd:1 [default: the store's measured default].")
 @click.option("--chunk-tokens", default=None, type=click.IntRange(1), help="Tokens per zarr chunk.")
 @click.option("--shard-tokens", default=None, type=click.IntRange(1), help="Tokens per zarr shard (multiple of chunk).")

@@ -21,11 +21,16 @@ class ExtractConfig:
     workers: int = 1  # processes on CPU
     dtype: str = "auto"  # compute dtype: auto = bf16 on GPU, fp32 on CPU
     store_dtype: str = "bfloat16"
+    compile: bool | None = None  # compile the decoder layers; None: on GPU only
     compression: str | None = None  # None: the store's measured default
     chunk_tokens: int | None = None
     shard_tokens: int | None = None
     overwrite: bool = False
     regenerate: dict | None = field(default=None)  # reply regeneration settings (issue 3)
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile if self.compile is not None else self.device == "cuda"
 
     @property
     def world_size(self) -> int:

@@ -90,6 +90,7 @@ def plan_identity(cfg: ExtractConfig, layer_ids: list[int], world_size: int) -> 
         "max_batch_size": cfg.max_batch_size,
         "compute_dtype": cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cfg.device == "cuda" else "float32"),
         "store_dtype": cfg.store_dtype,
+        "compiled": cfg.compiled,  # compiled and eager kernels round differently
         "compression": cfg.compression,
         "chunk_tokens": cfg.chunk_tokens,
         "shard_tokens": cfg.shard_tokens,

@@ -1,8 +1,9 @@
 """One extraction process: owns one rank's samples, one device and one store shard.
 
 Per batch the forward of batch i is queued on the GPU before batch i-1 is collected from its
-pinned host buffer and handed to the store writer's I/O thread (`background_writer`), so the device
-computes while the states of earlier batches are compressed and written. Model code runs on this
+pinned host buffer (copied there on a side stream, overlapping the forward of batch i) and handed
+to the store writer's I/O thread (`background_writer`), so the device computes while the states
+of earlier batches are compressed and written. Model code runs on this
 process's main thread only.
 """
 
@@ -25,6 +26,7 @@ from dflash.extract.config import ExtractConfig
 from dflash.extract.plan import BatchPlan, owns, padded_fraction, plan_batches
 from dflash.extract.target import (
     HiddenStateCapture,
+    compile_decoder_layers,
     drop_unused_modules,
     forward_hidden_states,
     load_truncated_target,
@@ -137,6 +139,8 @@ class BatchRunner:
         self.store_dtype = store_dtype
         self.pad_id = pad_id
         self.pin = device.type == "cuda"
+        # device->host copies run on their own stream, so they overlap the next batch's forward
+        self.copy_stream = torch.cuda.Stream(device) if self.pin else None
 
     @torch.inference_mode()
     def launch(self, samples: list[TokenizedSample]):
@@ -149,9 +153,13 @@ class BatchRunner:
         states = forward_hidden_states(self.model, self.capture, ids)
         rows = torch.cat(states, dim=-1).flatten(0, 1).index_select(0, flat).to(self.store_dtype)
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.pin)
-        host.copy_(rows, non_blocking=self.pin)
-        event = None
-        if self.pin:
+        if not self.pin:
+            host.copy_(rows)
+            return samples, host, None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(rows, non_blocking=True)
+            rows.record_stream(self.copy_stream)  # its memory is not reused before the copy is done
             event = torch.cuda.Event()
             event.record()
         return samples, host, event
@@ -226,6 +234,8 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
         if needs_export:
             export_target_assets(model, tokenizer, target_config, root)
         drop_unused_modules(model)
+        if cfg.compiled:
+            compile_decoder_layers(model)
     if todo:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         runner = BatchRunner(model, layer_ids, device, getattr(torch, cfg.store_dtype), pad_id)

@@ -391,16 +391,17 @@ class StoreWriter:
         write_shards(jobs, codec_pool())
         self._rows.drop(stop - start)
         self._buf_start = stop
-        for name in TOKEN_ARRAYS:
-            self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1) for k in shards])
+        for name in TOKEN_ARRAYS:  # write_shards fsynced the files; their new names need the directories
+            self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1) for k in shards], files=False)
 
-    def _fsync_chunks(self, name: str, coords: list[tuple[int, ...]]) -> None:
-        """fsync the chunk/shard files at `coords` and the directories leading to them."""
+    def _fsync_chunks(self, name: str, coords: list[tuple[int, ...]], files: bool = True) -> None:
+        """fsync the chunk/shard files at `coords` (unless `files` is False) and the directories leading to them."""
         array_dir, metadata = self.group_dir / name, self._arrays[name].metadata
         dirs: set[Path] = {array_dir}
         for c in coords:
             key = metadata.encode_chunk_key(c)
-            _fsync_path(array_dir / key)
+            if files:
+                _fsync_path(array_dir / key)
             parts = key.split("/")[:-1]
             dirs.update(array_dir.joinpath(*parts[: i + 1]) for i in range(len(parts)))
         for d in sorted(dirs, key=lambda p: -len(p.parts)):

@@ -34,12 +34,13 @@ def extract(target: Path, data: Path, out: Path, **kw) -> None:
     run_extraction(cfg)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_target_dir", "tiny_llama_dir"])
-def test_stored_states_equal_hf_hidden_states(fixture, request, tmp_path):
+@pytest.mark.parametrize("fixture, compiled", [("tiny_target_dir", False), ("tiny_llama_dir", False),
+                                               pytest.param("tiny_target_dir", True, marks=pytest.mark.slow)])
+def test_stored_states_equal_hf_hidden_states(fixture, compiled, request, tmp_path):
     target = request.getfixturevalue(fixture)
     data = small_corpus(tmp_path, 12)
     out = tmp_path / "store"
-    extract(target, data, out, layers="0,2", store_dtype="float32", workers=2)
+    extract(target, data, out, layers="0,2", store_dtype="float32", workers=1 if compiled else 2, compile=compiled)
 
     store = FeatureStore(out)
     assert store.layer_ids == [0, 2]
@@ -59,6 +60,28 @@ def test_stored_states_equal_hf_hidden_states(fixture, request, tmp_path):
         want = torch.cat([hs[0 + 1][0], hs[2 + 1][0]], dim=-1)
         torch.testing.assert_close(s.hidden_states.float(), want, rtol=1e-4, atol=1e-4)
     assert seen == set(expected)
+
+
+@pytest.mark.slow
+def test_compiled_layers_compile_once_for_all_layers_and_shapes(tiny_target_dir):
+    """One graph serves every decoder layer and batch shape: a recompile per layer would soon hit
+    dynamo's cache limit and silently fall back to eager."""
+    from dflash.extract.target import HiddenStateCapture, compile_decoder_layers, forward_hidden_states
+    from dflash.shared.attention import CompileCounter
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    capture = HiddenStateCapture(model, [0, 1, 3])
+    ids = [torch.randint(0, 100, shape) for shape in [(2, 37), (3, 64), (1, 129)]]
+    with torch.inference_mode():
+        eager = [forward_hidden_states(model, capture, x) for x in ids]
+        compile_decoder_layers(model)
+        with CompileCounter() as counter:
+            compiled = [forward_hidden_states(model, capture, x) for x in ids]
+    capture.close()
+    assert 1 <= counter.count <= 2  # automatic dynamic may compile a static graph first
+    for want, got in zip(eager, compiled):
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_store_within_bf16_tolerance_and_manifest(tiny_target_dir, tmp_path):

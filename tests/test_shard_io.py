@@ -45,10 +45,12 @@ def test_shards_are_byte_identical_to_zarrs(tmp_path, spec, crc):
     assert np.array_equal(zarr.open_array(tmp_path / "ours" / "a", mode="r")[:], x)  # zarr reads ours
 
 
+@pytest.mark.parametrize("crc", [True, False])
 @pytest.mark.parametrize("spec", CODECS)
-def test_ranged_reads_of_zarr_written_shards(tmp_path, spec):
+def test_ranged_reads_of_zarr_written_shards(tmp_path, spec, crc):
+    """Partial and whole chunks (uncompressed whole chunks take the scatter-read path)."""
     x = rows()
-    make_array(tmp_path, spec, True)[:] = x
+    make_array(tmp_path, spec, crc)[:] = x
     reader = ShardedArrayReader(tmp_path / "a", max_open=1)  # reopening files on every shard change
     for start, stop in [(0, ROWS), (5, 70), (64, 128), (250, 600), (599, 600), (300, 300), (100, 130)]:
         assert np.array_equal(reader.read(start, stop), x[start:stop]), (start, stop)
@@ -65,9 +67,9 @@ def test_one_dimensional_arrays(tmp_path):
     assert np.array_equal(ShardedArrayReader(tmp_path / "a").read(10, 590), x[10:590])
 
 
-@pytest.mark.parametrize("where", ["chunk", "index"])
-def test_corruption_is_an_error_naming_the_file(tmp_path, where):
-    make_array(tmp_path, "zstd:1", True)[:] = rows()
+@pytest.mark.parametrize("spec, where", [("zstd:1", "chunk"), ("zstd:1", "index"), ("none", "chunk")])
+def test_corruption_is_an_error_naming_the_file(tmp_path, spec, where):
+    make_array(tmp_path, spec, True)[:] = rows()
     fmt = ShardFormat.of(tmp_path / "a")
     path = fmt.shard_path(1)
     data = bytearray(path.read_bytes())
@@ -75,8 +77,9 @@ def test_corruption_is_an_error_naming_the_file(tmp_path, where):
     path.write_bytes(bytes(data))
     reader = ShardedArrayReader(tmp_path / "a")
     assert np.array_equal(reader.read(0, 256), rows()[:256])  # other shards still read
-    with pytest.raises(ShardFormatError, match=f"{path}.*crc32c mismatch"):
-        reader.read(256, 300)
+    for start, stop in [(256, 300), (256, 320)]:  # part of the corrupt chunk, and all of it
+        with pytest.raises(ShardFormatError, match=f"{path}.*crc32c mismatch"):
+            reader.read(start, stop)
 
 
 def test_missing_and_truncated_shards_are_errors(tmp_path):

@@ -99,16 +99,13 @@ def test_oracle_drafter_is_accepted_up_to_its_first_wrong_token(target, tiny_tok
 
 
 @torch.no_grad()
-def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny_tokenizer, monkeypatch):
-    """Train/inference consistency: every block the decoder drafts online has the logits the training
-    path (build_blocks + dense mask + full forward over stored-style features) gives for the same
-    anchor of the final sequence. Positions, context visibility or feature hand-off that differ
-    between the two would change them."""
+def online_and_training_logits(target, drafter, prompt: torch.Tensor, backend: str, autocast, monkeypatch):
+    """(logits of every block drafted online, [blocks, B-1, V] logits of the training path for the same
+    anchors of the final sequence: build_blocks + `backend` attention + stored-style features)."""
     from dflash.shared.blocks import build_blocks
     from dflash.shared.drafter import TargetHead
     from dflash.train.step import drafter_hidden
 
-    drafter = random_drafter(target, seed=3)
     lm_head = target.get_output_embeddings().weight
     online: list[torch.Tensor] = []
     compute = drafter.compute_logits
@@ -121,25 +118,61 @@ def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny
     monkeypatch.setattr(drafter, "compute_logits", recording)
     capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
     try:
-        p = prompts(tiny_tokenizer, 1)[0]
-        gen = dflash_generate(target, drafter, capture, p, 48, set())
-        sequence = torch.cat([p, torch.tensor(gen.tokens)])
-        target(input_ids=sequence[None])
+        gen = dflash_generate(target, drafter, capture, prompt, 48, set())
+        sequence = torch.cat([prompt, torch.tensor(gen.tokens, device=prompt.device)])
+        with torch.inference_mode():
+            target(input_ids=sequence[None])
         features = torch.cat(capture.take(), dim=-1)[0]  # what extraction stores for this sequence
     finally:
         capture.close()
-    anchors = len(p) + torch.tensor([0] + gen.accepted[:-1]).cumsum(0)  # each block's first token
+    anchors = len(prompt) + torch.tensor([0] + gen.accepted[:-1]).cumsum(0)  # each block's first token
     assert len(online) == len(anchors) > 5
-    S = len(sequence)
-    blocks = build_blocks(sequence, torch.zeros(S, dtype=torch.long), torch.arange(S), torch.ones(S, dtype=torch.bool),
+    S, dev = len(sequence), prompt.device
+    blocks = build_blocks(sequence.cpu(), torch.zeros(S, dtype=torch.long), torch.arange(S), torch.ones(S, dtype=torch.bool),
                           anchors, len(anchors), B, drafter.config.mask_token_id)
-    batch = {"context_hidden": features, "context_doc": torch.zeros(S, dtype=torch.long),
-             "context_positions": torch.arange(S), **blocks}
+    batch = {"context_hidden": features, "context_doc": torch.zeros(S, dtype=torch.long, device=dev),
+             "context_positions": torch.arange(S, device=dev), **{k: v.to(dev) for k, v in blocks.items()}}
     batch = {k: v[None] for k, v in batch.items()}
     head = TargetHead(target.get_input_embeddings().weight, lm_head)
-    offline = compute(drafter_hidden(drafter, head, batch, "sdpa_dense"), lm_head)[0].reshape(len(anchors), B, -1)
+    drafter.attention_backend = backend
+    with torch.no_grad(), autocast:
+        hidden = drafter_hidden(drafter, head, batch, backend)
+    offline = compute(hidden.float(), lm_head).reshape(len(anchors), B, -1)[:, 1:]
+    return online, offline
+
+
+def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny_tokenizer, monkeypatch):
+    """Train/inference consistency: every block the decoder drafts online has the logits the training
+    path gives for the same anchor of the final sequence. Positions, context visibility or feature
+    hand-off that differ between the two would change them."""
+    online, offline = online_and_training_logits(target, random_drafter(target, seed=3), prompts(tiny_tokenizer, 1)[0],
+                                                 "sdpa_dense", torch.autocast("cpu", enabled=False), monkeypatch)
     for k, logits in enumerate(online):
-        torch.testing.assert_close(logits, offline[k, 1:], rtol=1e-4, atol=1e-4, msg=lambda m: f"block {k}: {m}")
+        torch.testing.assert_close(logits, offline[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"block {k}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("train_dtype", ["float32", "bfloat16"])
+def test_online_drafts_match_the_compiled_training_path_on_cuda(tiny_target_dir, tiny_tokenizer, train_dtype, monkeypatch):
+    """The same check on the GPU, the training side as the trainer runs it there (compiled flex,
+    bf16 autocast in the second case; online decoding in float32 as dflash-eval's default): equal
+    logits in float32, and in bf16 the same draft tokens wherever the float32 top-2 margin exceeds
+    the bf16 noise."""
+    cuda = torch.device("cuda")
+    target = load_full_target(tiny_target_dir, device=cuda, dtype=torch.float32)
+    drafter = random_drafter(target, seed=3).to(cuda)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=train_dtype == "bfloat16")
+    online, offline = online_and_training_logits(target, drafter, prompts(tiny_tokenizer, 1)[0].to(cuda),
+                                                 "flex_compiled", autocast, monkeypatch)
+    online = torch.stack(online)
+    if train_dtype == "float32":
+        torch.testing.assert_close(online, offline, rtol=1e-3, atol=1e-3)
+        return
+    top2 = online.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.05 * online.abs().amax(-1)
+    assert clear.float().mean() > 0.3
+    assert torch.equal(online.argmax(-1)[clear], offline.argmax(-1)[clear])
 
 
 def test_generation_stops_at_a_stop_token(target, tiny_tokenizer):

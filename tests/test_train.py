@@ -21,7 +21,8 @@ from dflash.extract.run import run_extraction
 from dflash.shared.launch import free_port, spawn_ranks
 from dflash.shared.store import FeatureStore
 from dflash.train.config import TrainConfig
-from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch, make_loader
+from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
+from dflash.train.feed import device_batches, slots_needed
 from dflash.train.loop import TrainingError, build_model, init_distributed
 from dflash.train.packing import plan_packs, rank_slice
 from dflash.train.run import run_training
@@ -72,23 +73,39 @@ def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None
             torch.distributed.destroy_process_group()
 
 
-def test_loader_workers_deliver_the_planned_batches_across_epochs(store_dir):
-    """One loader for the whole run: two spawned workers, shared-memory batches, an epoch boundary
-    crossed; every batch equals the same step built in this process."""
+@pytest.mark.parametrize("workers, prefetch", [(2, 2), (1, 1)])
+def test_loader_workers_deliver_the_planned_batches_across_epochs(store_dir, workers, prefetch):
+    """One loader for the whole run: spawned workers decoding into the slot ring, an epoch boundary
+    crossed, and (1 worker, prefetch 1: 3 slots for 7 steps) every slot refilled; every batch equals
+    the same step built in this process, so no batch saw another's states or a stale tail."""
     store = FeatureStore(store_dir)
     plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=3, rank=1, world=2, packs_per_step=2)
     spec = PackSpec(256, 16, 8, 0, 512)
     first = plan.steps_in(0)
-    schedule = [(0, first - 1), (1, 0), (1, 1)]
-    got = list(make_loader(StepDataset(str(store_dir), plan, spec), schedule, workers=2, pin=False))
-    assert [(e, k) for e, k, _ in got] == schedule
+    schedule = plan.schedule(6)[first - 1 : first + 6]
+    assert len(schedule) == 7 > 2 * slots_needed(1, 1) and len({e for e, _ in schedule}) >= 3
+    dataset = StepDataset(str(store_dir), plan, spec)
+    got = list(device_batches(dataset, schedule, workers, torch.device("cpu"), prefetch=prefetch))
+    assert [(e, k) for e, k, _ in got] == schedule and dataset.slots is None
     for epoch, k, batch in got:
         packs = plan.epoch_packs(epoch)[2 * k : 2 * k + 2]
         want = build_batch(store, packs, spec, 3, epoch)
         assert batch.keys() == want.keys() and batch["context_hidden"].shape == (2, 256, store.hidden_width)
         assert all(torch.equal(batch[key], want[key]) for key in want), (epoch, k)
-    hidden, doc = got[0][2]["context_hidden"], got[0][2]["context_doc"]
-    assert not hidden[doc < 0].any() and hidden[doc >= 0].abs().sum() > 0  # padding is zero, samples are not
+    padded = [(b["context_hidden"], b["context_doc"]) for _, _, b in got if (b["context_doc"] < 0).any()]
+    assert padded and all(not h[d < 0].any() and h[d >= 0].abs().sum() > 0 for h, d in padded)  # padding is zero
+
+
+def test_in_process_batches_equal_worker_batches(store_dir):
+    store = FeatureStore(store_dir)
+    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=5, rank=0, world=1, packs_per_step=1)
+    dataset = StepDataset(str(store_dir), plan, PackSpec(256, 16, 8, 0, 512))
+    schedule = plan.schedule(1)[:4]
+    inline = list(device_batches(dataset, schedule, 0, torch.device("cpu")))
+    spawned = list(device_batches(dataset, schedule, 1, torch.device("cpu"), prefetch=1))
+    assert [(e, k) for e, k, _ in inline] == [(e, k) for e, k, _ in spawned] == schedule
+    for (_, _, a), (_, _, b) in zip(inline, spawned):
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
 
 
 @pytest.mark.slow

@@ -24,7 +24,8 @@ from dflash.shared.config import config_option
 @click.option("--max-anchors-per-sample", default=512, type=click.IntRange(1))
 @click.option("--packs-per-step", default=1, type=click.IntRange(1), help="Packs per GPU per optimizer step.")
 @click.option("--eval-samples", default=64, type=click.IntRange(0), help="Held-out samples for offline acceptance.")
-@click.option("--loader-workers", default=2, type=click.IntRange(0), help="DataLoader worker processes per rank.")
+@click.option("--loader-workers", default=None, type=click.IntRange(0),
+              help="DataLoader worker processes per rank [default: on GPU the host's cores shared by its ranks, on CPU 2].")
 @click.option("--epochs", default=6, type=click.IntRange(1))
 @click.option("--max-steps", default=None, type=click.IntRange(1))
 @click.option("--lr", default=6e-4, type=float)

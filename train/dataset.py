@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 
 from dflash.shared.blocks import build_blocks, sample_anchors
 from dflash.shared.store import FeatureStore
@@ -55,10 +55,12 @@ class StepPlan:
 
 
 class StepDataset(Dataset):
-    """Item (epoch, k) = (epoch, k, the batch of this rank's step k of that epoch).
+    """Item (epoch, k, slot) = (epoch, k, the batch of this rank's step k of that epoch).
 
-    One loader serves the whole run (a list of (epoch, k) is its sampler), so its worker processes
-    start once instead of at every epoch.
+    One loader serves the whole run (a list of (epoch, k, slot) is its sampler), so its worker
+    processes start once instead of at every epoch. With `slots` set (`train/feed.py`), the hidden
+    states go into `slots[slot]` and the batch carries the slot's number instead of them; with
+    slot None they go into a new tensor.
     """
 
     def __init__(self, store_root: str, plan: StepPlan, spec: PackSpec) -> None:
@@ -67,6 +69,7 @@ class StepDataset(Dataset):
         self.spec = spec
         self._store: FeatureStore | None = None  # opened lazily, once per worker process
         self._packs: tuple[int, list[list[int]]] | None = None  # (epoch, its packs), the latest epoch asked for
+        self.slots: list[torch.Tensor] | None = None
 
     @property
     def store(self) -> FeatureStore:
@@ -77,13 +80,17 @@ class StepDataset(Dataset):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_store": None, "_packs": None}
 
-    def __getitem__(self, item: tuple[int, int]) -> tuple[int, int, dict[str, torch.Tensor]]:
-        epoch, k = item
+    def __getitem__(self, item: tuple[int, int, int | None]) -> tuple[int, int, dict]:
+        epoch, k, slot = item
         if self._packs is None or self._packs[0] != epoch:
             self._packs = (epoch, self.plan.epoch_packs(epoch))
         n = self.plan.packs_per_step
         packs = self._packs[1][k * n : (k + 1) * n]
-        return epoch, k, build_batch(self.store, packs, self.spec, self.plan.seed, epoch)
+        if slot is None:
+            return epoch, k, build_batch(self.store, packs, self.spec, self.plan.seed, epoch)
+        batch = build_batch(self.store, packs, self.spec, self.plan.seed, epoch, hidden=self.slots[slot])
+        del batch["context_hidden"]
+        return epoch, k, {**batch, "slot": slot}
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
@@ -95,10 +102,13 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Te
     return proto.new(proto._typed_storage()._new_shared(math.prod(shape))).view(shape)
 
 
-def build_batch(store: FeatureStore, packs: list[list[int]], spec: PackSpec, seed: int, epoch: int) -> dict[str, torch.Tensor]:
-    """Packs stacked along a leading axis; hidden states are decoded straight into the batch tensor."""
-    shared = get_worker_info() is not None
-    hidden = _empty((len(packs), spec.pack_tokens, store.hidden_width), store.hidden_dtype, shared)
+def build_batch(store: FeatureStore, packs: list[list[int]], spec: PackSpec, seed: int, epoch: int,
+                hidden: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Packs stacked along a leading axis; hidden states are decoded straight into `hidden`
+    ([packs, S, W]; a new tensor if None)."""
+    if hidden is None:
+        shared = get_worker_info() is not None
+        hidden = _empty((len(packs), spec.pack_tokens, store.hidden_width), store.hidden_dtype, shared)
     parts = [build_pack(store, sample_ids, spec, seed, epoch, hidden[j]) for j, sample_ids in enumerate(packs)]
     return {"context_hidden": hidden, **{key: torch.stack([p[key] for p in parts]) for key in parts[0]}}
 
@@ -142,16 +152,3 @@ def hash_seed(seed: int, epoch: int, sample_id: int) -> int:
     x ^= x >> 31
     x = (x * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
     return x >> 1
-
-
-def make_loader(dataset: StepDataset, steps: list[tuple[int, int]], workers: int, pin: bool, prefetch: int = 4) -> DataLoader:
-    """Batches for the given (epoch, step) list, in order, built by `workers` processes."""
-    return DataLoader(
-        dataset,
-        batch_size=None,
-        sampler=steps,
-        num_workers=workers,
-        pin_memory=pin,
-        prefetch_factor=prefetch if workers > 0 else None,
-        multiprocessing_context="spawn" if workers > 0 else None,
-    )

@@ -26,7 +26,9 @@ from dflash.shared.progress import progress_bar
 from dflash.shared.store import FeatureStore
 from dflash.train import checkpoint as ckpt
 from dflash.train.config import TrainConfig
-from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch, make_loader
+from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
+from dflash.train.feed import device_batches
+from dflash.train.holdout import prompt_groups
 from dflash.train.packing import plan_packs, rank_slice, split_holdout
 from dflash.train.setup import (
     load_target_config,
@@ -123,7 +125,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
     gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
 
     lengths = np.asarray(store.lengths)
-    train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed)
+    groups = prompt_groups(store) if cfg.eval_samples else None  # a held-out prompt never also trains
+    train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed, groups)
     spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, cfg.max_anchors_per_sample)
     plan = StepPlan(train_ids, lengths, cfg.pack_tokens, cfg.seed, rank, world, cfg.packs_per_step)
     schedule = plan.schedule(cfg.epochs)
@@ -168,10 +171,9 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
     bar = progress_bar(total=total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0)
     last_loss, tau, rate = state.last_loss, None, 0.0
     window_tokens, window_start = 0, time.perf_counter()
-    loader = make_loader(StepDataset(cfg.store, plan, spec), schedule[state.step : total_steps], cfg.loader_workers,
-                         device.type == "cuda")
-    for epoch, k, batch in loader:
-        batch = to_device(batch, device)
+    workers = cfg.resolved_loader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    batches = device_batches(StepDataset(cfg.store, plan, spec), schedule[state.step : total_steps], workers, device)
+    for epoch, k, batch in batches:
         model.train()
         with autocast:
             loss_sum, weight, stats = pack_loss(ddp, head, batch, backend, gamma)

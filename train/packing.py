@@ -9,12 +9,36 @@ from __future__ import annotations
 import numpy as np
 
 
-def split_holdout(num_samples: int, holdout: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic (train, held-out) sample ids; held-out samples never enter training."""
+def split_holdout(num_samples: int, holdout: int, seed: int,
+                  groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic (train, held-out) sample ids; held-out samples never enter training.
+
+    `groups` (one id per sample; equal ids = same prompt, so the same greedy reply) keeps every
+    group on one side: a held-out sample never has a copy in training. Whole groups are taken in
+    the seeded sample order while they fit the `holdout` budget, so with all-distinct groups (or
+    None) the split is exactly the ungrouped one.
+    """
     if holdout >= num_samples:
         raise ValueError(f"--eval-samples {holdout} leaves no training samples (the store has {num_samples})")
     order = np.random.default_rng([seed, 7919]).permutation(num_samples)
-    return np.sort(order[holdout:]), np.sort(order[:holdout])
+    if groups is None:
+        return np.sort(order[holdout:]), np.sort(order[:holdout])
+    groups = np.asarray(groups)
+    if groups.shape != (num_samples,):
+        raise ValueError(f"groups has shape {groups.shape}, expected ({num_samples},)")
+    _, labels, sizes = np.unique(groups, return_inverse=True, return_counts=True)
+    taken = np.zeros(len(sizes), dtype=bool)
+    left = holdout
+    for i in order:
+        if left == 0:
+            break
+        g = labels[i]
+        if not taken[g] and sizes[g] <= left:
+            taken[g] = True
+            left -= sizes[g]
+    held = taken[labels]
+    ids = np.arange(num_samples)
+    return ids[~held], ids[held]
 
 
 def plan_packs(sample_ids: np.ndarray, lengths: np.ndarray, pack_tokens: int, seed: int, epoch: int) -> list[list[int]]:
