@@ -152,10 +152,9 @@ class BatchRunner:
         flat = flat.to(self.device, non_blocking=True)
         states = forward_hidden_states(self.model, self.capture, ids)
         rows = torch.cat(states, dim=-1).flatten(0, 1).index_select(0, flat).to(self.store_dtype)
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.pin)
-        if not self.pin:
-            host.copy_(rows)
-            return samples, host, None
+        if not self.pin:  # on CPU `rows` is already a new host tensor
+            return samples, rows, None
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             host.copy_(rows, non_blocking=True)

@@ -29,6 +29,7 @@ import numpy as np
 
 EMPTY = np.uint64(2**64 - 1)  # index entry of a chunk that is not stored (all fill value)
 _SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # pieces per readv/writev call
 
 
 class ShardFormatError(ValueError):
@@ -217,20 +218,13 @@ class ShardFormat:
                 views.append(crcs[j])
         if span != flat.nbytes + (0 if crcs is None else crcs.nbytes):
             raise ShardFormatError(f"{where} chunks {k}-{last}: {span} bytes stored, expected {flat.nbytes} and crcs")
-        got, pos = 0, 0
-        max_pieces = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-        while pos < len(views):
-            n = os.preadv(fd, views[pos : pos + max_pieces], base + got)
+        got = 0
+        while views:
+            n = os.preadv(fd, views[:_IOV_MAX], base + got)
             if n == 0:
                 raise ShardFormatError(f"{where}: truncated (chunk {last} past the end of the file)")
             got += n
-            while n and pos < len(views):  # advance past what was filled; a short read resumes mid-piece
-                if n >= len(views[pos]):
-                    n -= len(views[pos])
-                    pos += 1
-                else:
-                    views[pos] = views[pos][n:]
-                    n = 0
+            _consume(views, n)
         if crcs is not None:
             for j in range(last - k + 1):
                 if _crc(flat[j * size : (j + 1) * size]) != int.from_bytes(crcs[j].tobytes(), "little"):
@@ -319,13 +313,17 @@ def write_shards(jobs: list[tuple[ShardFormat, int, np.ndarray]], pool: Executor
 def _writev_all(fd: int, pieces: list[Any]) -> None:
     """os.writev until every byte is written (writev may write less, and takes at most IOV_MAX pieces)."""
     views = [memoryview(p).cast("B") for p in pieces if len(p)]
-    max_pieces = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
     while views:
-        written = os.writev(fd, views[:max_pieces])
-        while written and views:
-            if written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][written:]
-                written = 0
+        _consume(views, os.writev(fd, views[:_IOV_MAX]))
+
+
+def _consume(views: list[Any], n: int) -> None:
+    """Drop the first `n` bytes of a scatter/gather list after a vectored read or write of them
+    (either may move fewer bytes than asked, ending mid-piece)."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0

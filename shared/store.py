@@ -22,8 +22,8 @@ Public API:
 - `finished_shards(root, world_size) -> (entries, layout)` from the progress records
   (`manifest.mark_complete` uses it).
 - `FeatureStore(root, *, require_complete=True)`: `len`, `lengths`, `num_tokens`, `store[i] -> Sample`,
-  `read_tokens(shard, start, stop)`, `read_raw`, `sample_span(i)`, `layer_ids`, `hidden_size`,
-  `hidden_width`, `hidden_dtype`, `manifest`, `root`.
+  `read_tokens(shard, start, stop)`, `read_raw`, `read_ids_and_mask`, `sample_span(i)`, `layer_ids`,
+  `hidden_size`, `hidden_width`, `hidden_dtype`, `manifest`, `root`.
 - `stores_equal(a, b)`: bit-exact, sample-for-sample comparison.
 - `parse_compression(spec)`, `default_chunking(hidden_width, hidden_dtype)`.
 """
@@ -591,15 +591,19 @@ class FeatureStore:
         shard = bisect.bisect_right(self._first, i) - 1
         return shard, i - self._first[shard]
 
+    def read_ids_and_mask(self, shard: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [start, stop) of one shard without their hidden states: int32 ids, uint8 mask."""
+        if not 0 <= start <= stop <= self.shards[shard].tokens:
+            raise IndexError(f"{self.root}: tokens [{start}, {stop}) outside shard {shard} ({self.shards[shard].tokens} tokens)")
+        readers = self._shard_readers(shard)
+        return readers["input_ids"].read(start, stop), readers["loss_mask"].read(start, stop)
+
     def read_raw(self, shard: int, start: int, stop: int, hidden_out: np.ndarray | None = None,
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tokens [start, stop) of one shard as stored: int32 ids, uint8 mask, hidden in the storage
         dtype (decoded into `hidden_out` when given: C-contiguous [stop-start, W])."""
-        if not 0 <= start <= stop <= self.shards[shard].tokens:
-            raise IndexError(f"{self.root}: tokens [{start}, {stop}) outside shard {shard} ({self.shards[shard].tokens} tokens)")
-        readers = self._shard_readers(shard)
-        return (readers["input_ids"].read(start, stop), readers["loss_mask"].read(start, stop),
-                readers["hidden_states"].read(start, stop, hidden_out))
+        ids, mask = self.read_ids_and_mask(shard, start, stop)
+        return ids, mask, self._shard_readers(shard)["hidden_states"].read(start, stop, hidden_out)
 
     def read_tokens(self, shard: int, start: int, stop: int, hidden_out: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

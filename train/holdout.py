@@ -10,7 +10,6 @@ import hashlib
 
 import numpy as np
 
-from dflash.shared.shard_io import ShardedArrayReader
 from dflash.shared.store import FeatureStore
 
 
@@ -27,8 +26,6 @@ def prompt_groups(store: FeatureStore, window_tokens: int = 1 << 24) -> np.ndarr
     Reads only input_ids and loss_mask, in contiguous windows of about `window_tokens` per shard
     (one read per window, not per sample; memory stays one window)."""
     keys: dict[bytes, int] = {}
-    readers = [{name: ShardedArrayReader(store.root / entry.path / name) for name in ("input_ids", "loss_mask")}
-               for entry in store.shards]
     out = np.empty(len(store), dtype=np.int64)
     i = 0
     while i < len(store):
@@ -37,7 +34,7 @@ def prompt_groups(store: FeatureStore, window_tokens: int = 1 << 24) -> np.ndarr
         while end < len(store) and (span := store.sample_span(end))[0] == shard and span[2] - base <= window_tokens:
             stop = span[2]
             end += 1
-        ids, mask = (readers[shard][name].read(base, stop) for name in ("input_ids", "loss_mask"))
+        ids, mask = store.read_ids_and_mask(shard, base, stop)
         for j in range(i, end):
             _, first, last, _ = store.sample_span(j)
             out[j] = keys.setdefault(prompt_key(ids[first - base : last - base], mask[first - base : last - base]), len(keys))
