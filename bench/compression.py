@@ -145,29 +145,18 @@ def measure(spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, re
     samples = [(i, np.zeros(n, np.int32), np.ones(n, np.uint8), hidden[offsets[i] : offsets[i + 1]])
                for i, n in enumerate(lengths)]
     batches = [samples[i : i + 4] for i in range(0, len(samples), 4)]
-    best_write, best_flush, best_read, stored = float("inf"), float("inf"), float("inf"), 0
+    best_write, best_read, stored = float("inf"), float("inf"), 0
     for _ in range(repeats):
         root = workdir / spec.replace(":", "_")
         shutil.rmtree(root, ignore_errors=True)
         writer = StoreWriter(root, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=len(hidden),
                              capacity_samples=len(lengths), compression=spec,
                              chunk_tokens=chunk, shard_tokens=shard)
-        flush_time = 0.0
-        original_flush = writer.flush_shards
-
-        def timed_flush() -> None:
-            nonlocal flush_time
-            t0 = time.perf_counter()
-            original_flush()
-            flush_time += time.perf_counter() - t0
-
-        writer.flush_shards = timed_flush
         t0 = time.perf_counter()
         for batch in batches:
             writer.append_batch(batch)
         entry = writer.finalize()
         best_write = min(best_write, time.perf_counter() - t0)
-        best_flush = min(best_flush, flush_time)
         target = {"name_or_path": "SmolLM2-135M-Instruct", "architecture": "LlamaForCausalLM", "config_hash": "",
                   "num_layers": 30, "hidden_size": width // 5, "layer_ids": list(range(5)), "vocab_size": 49152}
         mark_complete(root, new_manifest(target=target, hidden_dtype="bfloat16", world_size=1), shards=[entry])
@@ -184,7 +173,7 @@ def measure(spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, re
     mb = hidden.nbytes / 1e6
     encode, decode = codec_speed(spec, hidden, chunk)
     return {"spec": spec, "encode_1t": encode, "decode_1t": decode, "stored_mb": stored / 1e6,
-            "write_mb_s": mb / best_write, "flush_share": best_flush / best_write, "read_mb_s": mb / best_read,
+            "write_mb_s": mb / best_write, "read_mb_s": mb / best_read,
             "layout": (writer.layout["chunk_tokens"], writer.layout["shard_tokens"])}
 
 
@@ -221,11 +210,11 @@ def main() -> None:
           f"chunk/shard tokens {base['layout']}, {args.threads} threads; ratio and speeds vs {base['spec']!r}")
     print("store write/read: the whole StoreWriter/FeatureStore path (zarr, fsync, commits) into --workdir;")
     print("codec enc/dec: the bare codec on one thread in memory (cores for 1.3 GB/s = 1300 / enc)")
-    print(f"{'codec':<26}{'ratio':>7}{'write MB/s':>12}{'(x)':>7}{'flush %':>9}{'read MB/s':>11}{'(x)':>7}"
+    print(f"{'codec':<26}{'ratio':>7}{'write MB/s':>12}{'(x)':>7}{'read MB/s':>11}{'(x)':>7}"
           f"{'enc 1t':>9}{'dec 1t':>9}")
     for r in results:
         print(f"{r['spec']:<26}{base['stored_mb'] / r['stored_mb']:>7.3f}{r['write_mb_s']:>12.0f}"
-              f"{r['write_mb_s'] / base['write_mb_s']:>7.2f}{100 * r['flush_share']:>8.0f}%"
+              f"{r['write_mb_s'] / base['write_mb_s']:>7.2f}"
               f"{r['read_mb_s']:>11.0f}{r['read_mb_s'] / base['read_mb_s']:>7.2f}"
               f"{r['encode_1t']:>9.0f}{r['decode_1t']:>9.0f}")
 

@@ -9,7 +9,8 @@ lognormal lengths (mean ~1.5k tokens, 128..3072). Both contenders write to the s
   batches, async device->host copy into pinned memory, the crash-safe sharded Zarr writer), with the
   forward of batch i queued before batch i-1 is written; with HF's eager decoder layers and with
   them compiled (`compile_decoder_layers`, dflash-extract's GPU default), each against the same
-  forward with nothing stored (the ceiling).
+  forward with nothing stored (the ceiling); per store codec and per number of writer threads
+  (`--compression`, `--write-streams`, each repeatable), so their effect is measured in one run.
 MFU counts useful work only: matmul FLOPs of the decoder layers up to the last stored layer plus
 causal attention, over real (unpadded) tokens, against a bf16 matmul rate measured in this run.
 
@@ -19,9 +20,11 @@ causal attention, over real (unpadded) tokens, against a bf16 matmul rate measur
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +36,7 @@ from dflash.extract.plan import padded_fraction, plan_batches
 from dflash.extract.target import HiddenStateCapture, compile_decoder_layers, decoder_layers, drop_unused_modules
 from dflash.extract.worker import BatchRunner, run_batches
 from dflash.shared.drafter import default_target_layer_ids
-from dflash.shared.store import DEFAULT_COMPRESSION, StoreWriter
+from dflash.shared.store import DEFAULT_COMPRESSION, WRITE_STREAMS, StoreWriter
 
 
 def qwen3_8b_config(num_layers: int):
@@ -114,14 +117,15 @@ def bench_naive(model, samples, layer_ids, out: Path, batch_size: int = 8) -> di
     return {"seconds": seconds, "bytes": written}
 
 
-def bench_pipeline(model, samples, layer_ids, out: Path, batch_tokens: int, compression: str) -> dict:
+def bench_pipeline(model, samples, layer_ids, out: Path, batch_tokens: int, compression: str, write_streams: int) -> dict:
     """`dflash-extract`'s own batch loop (`run_batches`) into the real crash-safe store writer."""
     lengths = [len(s.input_ids) for s in samples]
     plan = plan_batches(lengths, batch_tokens, 64)
     width = model.config.hidden_size * len(layer_ids)
     shutil.rmtree(out, ignore_errors=True)
     writer = StoreWriter(out, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=sum(lengths),
-                         capacity_samples=len(samples), compression=compression, overwrite=True)
+                         capacity_samples=len(samples), compression=compression, overwrite=True,
+                         write_streams=write_streams)
     runner = BatchRunner(model, layer_ids, torch.device("cuda"), torch.bfloat16, pad_id=0)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -130,23 +134,29 @@ def bench_pipeline(model, samples, layer_ids, out: Path, batch_tokens: int, comp
     seconds = time.perf_counter() - t
     runner.capture.close()
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return {"compression": compression, "seconds": seconds, "bytes": size, "batches": len(plan.batches),
+    return {"compression": compression, "write_streams": write_streams, "seconds": seconds, "bytes": size, "batches": len(plan.batches),
             "padding": padded_fraction(lengths, plan), "forward_waited_for_writer_s": writer_wait,
             "write_GBps": width * 2 * sum(lengths) / seconds / 1e9}
 
 
-def disk_write_rate(out: Path, gigabytes: float = 4.0) -> float:
-    """Plain sequential write + fsync of incompressible bytes: the disk's own ceiling (GB/s)."""
+def disk_write_rate(out: Path, streams: int, gigabytes: float = 4.0) -> float:
+    """Plain writes + fsync of incompressible bytes, one 256 MiB file per write on each of `streams`
+    threads (as the store writer does): the disk's own ceiling at that concurrency (GB/s)."""
     out.mkdir(parents=True, exist_ok=True)
     block = np.random.default_rng(0).integers(0, 255, 256 * 2**20, dtype=np.uint8).tobytes()
-    t = time.perf_counter()
-    with open(out / "ddtest", "wb") as f:
-        for _ in range(int(gigabytes * 4)):
+    files = int(gigabytes * 4)
+
+    def write(k: int) -> None:
+        with open(out / f"ddtest{k}", "wb") as f:
             f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    rate = int(gigabytes * 4) * len(block) / (time.perf_counter() - t) / 1e9
-    (out / "ddtest").unlink()
+            f.flush()
+            os.fsync(f.fileno())
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(write, range(files)))
+    rate = files * len(block) / (time.perf_counter() - t) / 1e9
+    shutil.rmtree(out)
     return rate
 
 
@@ -176,7 +186,9 @@ def main() -> None:
     ap.add_argument("--mean-len", type=float, default=1500)
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--compression", action="append", default=None,
-                    help=f"store codec(s) to run, repeatable [default: none and {DEFAULT_COMPRESSION}]")
+                    help=f"store codec(s) to run, repeatable [default: {DEFAULT_COMPRESSION}]")
+    ap.add_argument("--write-streams", type=int, action="append", default=None,
+                    help=f"store writer threads to run, repeatable [default: {WRITE_STREAMS}]")
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--naive-samples", type=int, default=160, help="the naive baseline runs on the first N samples")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled-layer rows")
@@ -190,9 +202,10 @@ def main() -> None:
     config = qwen3_8b_config(full_layers)
     samples = synthetic_samples(args.samples, config.vocab_size, args.mean_len)
     peak = matmul_tflops("cuda")
-    compressions = args.compression or ["none", DEFAULT_COMPRESSION]
+    compressions = args.compression or [DEFAULT_COMPRESSION]
+    streams = args.write_streams or [WRITE_STREAMS]
     result = {"layer_ids": layer_ids, "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
-              "matmul_tflops": peak, "batch_tokens": args.batch_tokens, "disk_write_GBps": disk_write_rate(scratch / "dd")}
+              "matmul_tflops": peak, "batch_tokens": args.batch_tokens, "disk_write_GBps_by_streams": {n: disk_write_rate(scratch / "dd", n) for n in sorted({1, *streams})}}
     model = random_model(config, "cuda")
     warm = samples[:4]
     rows = []  # (row, samples it ran on)
@@ -225,8 +238,8 @@ def main() -> None:
             bench_forward_only(model, warm, layer_ids, args.batch_tokens)
         result[key] = bench_forward_only(model, samples, layer_ids, args.batch_tokens)
         rows.append((result[key], samples))
-        for c in compressions if not compiled else [DEFAULT_COMPRESSION]:
-            run = bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, c)
+        for c, n in itertools.product(compressions, streams):
+            run = bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, c, n)
             run["compiled"] = compiled
             run["vs_forward_only"] = result[key]["seconds"] / run["seconds"]
             result["pipeline"].append(run)

@@ -7,7 +7,8 @@
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` (joins, checks the sha256, runs the
-# bench). QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS ("--steps 1000 ...") append flags to those steps.
+# bench). QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS ("--steps 1000 ...") append flags to those steps;
+# GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py).
 set -u
 OUT=${OUT:?set OUT to a results folder}
 export PYTHONUNBUFFERED=1
@@ -35,8 +36,8 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, record the exit
 for s in $steps; do
   case $s in
     env) step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton, transformers, zarr; print(torch.__version__, triton.__version__, transformers.__version__, zarr.__version__, torch.cuda.get_device_name())"; nproc; df -h /tmp | tail -1' ;;
-    tests) step tests 300 python3 -m pytest tests/gpu tests/test_speculative.py -m gpu -q -s -p no:cacheprovider ;;
-    train) step bench_train 300 python3 -m bench.train --scratch /tmp/bench_train --json "$OUT/train.json" ${TRAIN_ARGS:-} ;;
+    tests) step tests 300 python3 -m pytest ${GPU_TESTS:-tests/gpu tests/test_speculative.py} -m gpu -q -s -p no:cacheprovider ;;
+    train) step bench_train 420 python3 -m bench.train --scratch /tmp/bench_train --json "$OUT/train.json" ${TRAIN_ARGS:-} ;;
     store_io) step bench_store_io 120 python3 -m bench.store_io --scratch /tmp/bench_store_io --json "$OUT/store_io.json" ;;
     extract) step bench_extract 480 python3 -m bench.extract --out-dir /tmp/bench_extract --json "$OUT/extract.json" --samples 480 ${EXTRACT_ARGS:-} ;;
     smoke) step smoke 240 bash -c '

@@ -16,6 +16,7 @@ uncompressed store) and compared with the packs/s the step consumes and with a s
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import time
 from pathlib import Path
@@ -113,11 +114,32 @@ def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: 
     mf.mark_complete(root, mf.load_manifest(root), shards=[shard], weights_fingerprint="x", counts={})
 
 
-def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> float:
-    """Batches (one pack each) per second into GPU memory. `path`: "slots", the trainer's
-    (`train/feed.py`: workers decode into page-locked shared slots, one DMA copy each); "stock", the
-    baseline (a stock DataLoader of the same dataset: a new shared tensor per batch and the pin-memory
-    thread); "inline", built in this process (`workers` ignored: the per-process build rate)."""
+class TimedSteps(StepDataset):
+    """The trainer's dataset, each batch also carrying how long its worker took to build it and how
+    long that worker had waited since its previous batch (for work, or to hand that batch over)."""
+
+    _last_end: float | None = None
+
+    def __getitem__(self, item):
+        t = time.perf_counter()
+        epoch, k, batch = super().__getitem__(item)
+        end = time.perf_counter()
+        gap = 0.0 if self._last_end is None else t - self._last_end
+        self._last_end = end
+        return epoch, k, {**batch, "build_s": np.array([end - t, gap])}  # numpy like the rest (see StepDataset)
+
+
+def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> dict[str, float]:
+    """Batches (one pack each) per second into GPU memory, and the mean time a worker spent building
+    one. `path`: "slots", the trainer's (`train/feed.py`: workers decode into page-locked shared
+    slots, one DMA copy each); "stock", the baseline (a stock DataLoader of the same dataset: a new
+    shared tensor per batch and the pin-memory thread); "inline", built in this process (`workers`
+    ignored: the per-process build rate). worker_gap_s: a worker's mean wait between two
+    batches; main_cpu_ms_per_batch: this process's CPU time per batch (all its threads). Steady state: timed once every worker has delivered a
+    batch (timed from the first batch, the other workers' start-up falls inside the window: 2
+    workers on the CPU machine gave 4.3 packs/s over 6 steps, 18.6 over 40). workers / build_s is the rate the workers could deliver:
+    if it is far above packs_per_s, the main process is the limit; if build_s grows with the worker
+    count, the workers contend for something (memory bandwidth, cores, the disk)."""
     from torch.utils.data import DataLoader
 
     from dflash.shared.store import FeatureStore
@@ -125,9 +147,10 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> fl
 
     store = FeatureStore(root)
     plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), S, 0, rank=0, world=1, packs_per_step=1)
-    epochs = 2 + steps // plan.steps_in(0)  # one spare: epochs differ a little in length
-    dataset = StepDataset(str(root), plan, PackSpec(S, N, B, 0, 512))
-    schedule = plan.schedule(epochs)[: steps + 1]
+    epochs = 2 + (steps + workers) // plan.steps_in(0)  # one spare: epochs differ a little in length
+    dataset = TimedSteps(str(root), plan, PackSpec(S, N, B, 0, 512))
+    warm = max(1, workers if path != "inline" else 1)
+    schedule = plan.schedule(epochs)[: warm + steps]
     device = torch.device("cuda")
     if path == "stock":
         batches = (to_device(b, device) for _, _, b in DataLoader(
@@ -135,12 +158,84 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> fl
             pin_memory=True, prefetch_factor=2, multiprocessing_context="spawn"))  # blosc threads as numcodecs sets them
     else:
         batches = (b for _, _, b in device_batches(dataset, schedule, workers if path == "slots" else 0, device))
-    next(batches)  # worker start-up is paid once per run, not per step
-    t = time.perf_counter()
-    for _ in batches:
-        pass
+    for _ in range(warm):  # start-up is paid once per run: every worker has delivered a batch before the clock starts
+        next(batches)
+    build = torch.zeros(2, dtype=torch.float64, device=device)
+    t, cpu = time.perf_counter(), time.process_time()
+    for batch in batches:
+        build += batch["build_s"]  # on the device: no wait for the copy, as a training step would not
     torch.cuda.synchronize()
-    return steps / (time.perf_counter() - t)
+    build_s, gap_s = (build / steps).tolist()
+    return {"packs_per_s": steps / (time.perf_counter() - t), "build_s": build_s, "worker_gap_s": gap_s,
+            "main_cpu_ms_per_batch": 1000 * (time.process_time() - cpu) / steps}
+
+
+def host_to_device_rates(width: int, repeats: int = 5) -> dict[str, float]:
+    """GB/s of copying one pack's hidden states to the GPU from page-locked shared memory (the
+    feed's slots), from pinned memory of torch's allocator, and from ordinary memory: the ceiling on
+    packs/s that no loader can pass (one DMA per pack)."""
+    from dflash.train.feed import SlotRing
+
+    ring = SlotRing(1, (S, width), torch.bfloat16, pin=True)
+    sources = {"registered_shared": ring.buffers[0], "pinned": torch.empty(S, width, dtype=torch.bfloat16).pin_memory(),
+               "pageable": torch.empty(S, width, dtype=torch.bfloat16)}
+    rates = {}
+    for name, host in sources.items():
+        host.fill_(1)
+        dest = torch.empty_like(host, device="cuda")
+        dest.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            dest.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        rates[name] = repeats * host.numel() * host.element_size() / (time.perf_counter() - t) / 1e9
+    ring.close()
+    return rates
+
+
+def page_cache_read_rate(root: Path, passes: int = 2) -> list[float]:
+    """GB/s of reading every file of a store with plain preads, `passes` times: just after the store
+    was written, a rate far below memory speed means the reads come from the disk, not the page cache."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    buf = np.empty(64 << 20, np.uint8)
+    rates = []
+    for _ in range(passes):
+        total, t = 0, time.perf_counter()
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                offset = 0
+                while n := os.preadv(fd, [buf], offset):
+                    offset += n
+                total += offset
+            finally:
+                os.close(fd)
+        rates.append(total / (time.perf_counter() - t) / 1e9)
+    return rates
+
+
+def build_profile(root: Path, packs: int = 6, top: int = 8) -> list[tuple[str, float]]:
+    """Where one process's pack building spends its time: cProfile's top functions by own time (s per pack)."""
+    import cProfile
+    import pstats
+
+    from dflash.shared.store import FeatureStore
+    from dflash.train.dataset import build_batch
+
+    store = FeatureStore(root)
+    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), S, 0, rank=0, world=1, packs_per_step=1)
+    spec, todo = PackSpec(S, N, B, 0, 512), plan.epoch_packs(0)[:packs]
+    hidden = torch.empty(1, S, store.hidden_width, dtype=store.hidden_dtype)
+    build_batch(store, todo[:1], spec, 0, 0, hidden=hidden)  # files opened, pages of `hidden` mapped
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for pack in todo:
+        build_batch(store, [pack], spec, 0, 0, hidden=hidden)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(((f"{fn[2]} ({Path(fn[0]).name}:{fn[1]})", v[2] / len(todo)) for fn, v in stats.items()), key=lambda r: -r[1])
+    return rows[:top]
 
 
 def attention_only(cfg: DFlashConfig, batch: dict[str, torch.Tensor], iters: int = 20) -> dict[str, float]:
@@ -182,6 +277,8 @@ def main() -> None:
     ap.add_argument("--loader-workers", type=int, default=8)
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--loader-only", action="store_true", help="time only the data loader (no step, no compile)")
+    ap.add_argument("--loader-diagnostics", action="store_true",
+                    help="also: page-cache read rates of the stores and a profile of one process building packs")
     args = ap.parse_args()
     device = torch.device("cuda")
     target = qwen3_8b_config(36)
@@ -220,18 +317,25 @@ def main() -> None:
     synthetic_store(scratch / "store", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500)
     if not args.loader_only:
         result["attention_only"] = attention_only(cfg, batch)
-    by_workers = {w: loader_rate(scratch / "store", w, steps=60) for w in sorted({args.loader_workers // 2, args.loader_workers, 12, 14})}
-    packs_per_s = by_workers[args.loader_workers]
-    stock = loader_rate(scratch / "store", args.loader_workers, steps=40, path="stock")
-    result["loader"] = {"workers": args.loader_workers, "packs_per_s": packs_per_s,
-                        **({"consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc} if fc else {}),
-                        "slots_packs_per_s_by_workers": by_workers, "stock_dataloader_packs_per_s": stock, "speedup_vs_stock": packs_per_s / stock,
-                        "one_process_packs_per_s": loader_rate(scratch / "store", 0, steps=8, path="inline")}
-    # the same at the largest worker count from an uncompressed store (scatter reads, no decode)
+    # the same from an uncompressed store (scatter reads, no decode)
     synthetic_store(scratch / "store_none", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500, compression="none")
-    top = max(by_workers)
-    result["loader"][f"none_codec_{top}_workers_packs_per_s"] = loader_rate(scratch / "store_none", top, steps=60)
-    result["loader"]["none_codec_one_process_packs_per_s"] = loader_rate(scratch / "store_none", 0, steps=8, path="inline")
+    loader = {"host_to_device_GBps": host_to_device_rates(cfg.context_width)}
+    if args.loader_diagnostics:
+        loader["page_cache_read_GBps"] = {name: page_cache_read_rate(scratch / name) for name in ("store", "store_none")}
+        loader["one_process_build_profile"] = build_profile(scratch / "store")
+    counts = sorted({args.loader_workers // 2, args.loader_workers, 14})
+    for name in ("store", "store_none"):
+        runs = {"inline": loader_rate(scratch / name, 0, steps=8, path="inline"),
+                **{w: loader_rate(scratch / name, w, steps=90) for w in (counts if name == "store" else counts[-1:])}}
+        if name == "store":
+            runs["stock"] = loader_rate(scratch / name, args.loader_workers, steps=40, path="stock")
+        loader[name] = runs
+    best = max(counts, key=lambda w: loader["store"][w]["packs_per_s"])
+    packs_per_s = loader["store"][best]["packs_per_s"]
+    result["loader"] = {"best_workers": best, "packs_per_s": packs_per_s,
+                        **({"consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc} if fc else {}),
+                        "speedup_vs_stock": loader["store"][args.loader_workers]["packs_per_s"] / loader["store"]["stock"]["packs_per_s"],
+                        **loader}
     emit(result, args.json)
 
 

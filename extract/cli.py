@@ -41,6 +41,8 @@ def _int_list(value: str | None) -> tuple[int, ...]:
 @click.option("--compression", default=None, help="Store codec, e.g. none, zstd:1 [default: the store's measured default].")
 @click.option("--chunk-tokens", default=None, type=click.IntRange(1), help="Tokens per zarr chunk.")
 @click.option("--shard-tokens", default=None, type=click.IntRange(1), help="Tokens per zarr shard (multiple of chunk).")
+@click.option("--write-streams", default=None, type=click.IntRange(1),
+              help="Shard files each rank writes at once (more for disks that want deeper queues) [default: 4].")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store made with other settings.")
 @click.option("--regenerate", is_flag=True, help="First replace every assistant reply by the target's own.")
 @click.option("--max-new-tokens", default=512, type=click.IntRange(1), help="--regenerate: reply length limit.")

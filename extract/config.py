@@ -25,6 +25,7 @@ class ExtractConfig:
     compression: str | None = None  # None: the store's measured default
     chunk_tokens: int | None = None
     shard_tokens: int | None = None
+    write_streams: int | None = None  # shard files written at once per rank; None: the store's default
     overwrite: bool = False
     regenerate: dict | None = field(default=None)  # reply regeneration settings (issue 3)
 

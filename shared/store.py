@@ -9,11 +9,14 @@ codec, crc32c on every chunk and every shard index).
 Why the writer looks the way it does: a partial write of a zarr shard is a read-modify-write of the
 whole shard file, so `StoreWriter` keeps rows in memory and writes only whole shards while it runs
 (the last, partial shard at `finalize`), through `shard_io` (zarr's own per-chunk path was too slow).
-Files are replaced atomically (temp + fsync + rename), and only then the progress record advances. A batch is the
-unit of commit: it counts as committed once every one of its tokens is in a flushed shard. After a
-crash, reopening the writer truncates logically to the commit point (the committed head of the
-partially written shard is read back into the buffer) and the caller recomputes the batches from
-number `resume()` on; the finished store is then identical to an uninterrupted run.
+A full shard goes to one of `write_streams` write threads while the next fills (one GPU makes
+~2 GB/s of states; one file at a time, each waiting in its fsync, wrote ~1 GB/s). Files are replaced
+atomically (temp + fsync + rename), and the progress record advances only over the prefix of shards
+that are durable, whatever order the threads finish in. A batch is the unit of commit: it counts as
+committed once every one of its tokens is in a durable shard. After a crash, reopening the writer
+truncates logically to the commit point (the committed head of the partially written shard is read
+back into the buffer) and the caller recomputes the batches from number `resume()` on; the finished
+store is then identical to an uninterrupted run.
 
 Public API:
 - `StoreWriter(root, rank, *, hidden_width, hidden_dtype, capacity_tokens, capacity_samples, ...)`
@@ -35,7 +38,8 @@ import json
 import math
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -76,6 +80,9 @@ _BLOSC_SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 # one GPU's ~1.3 GB/s of states at the default codec (0.6-1.5 GB/s per thread) with room to spare.
 CODEC_THREADS = min(8, os.cpu_count() or 1)
 _codec_pool: ThreadPoolExecutor | None = None
+# Shard files written at once by one writer, each on its own thread: while one waits in fsync the next
+# is compressed and copied to the page cache, and the disk sees several requests at a time.
+WRITE_STREAMS = 4
 
 
 def codec_pool() -> ThreadPoolExecutor:
@@ -159,33 +166,30 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-class _RowBuffer:
-    """Token rows not yet written, copied in (callers may reuse their arrays) and grown as needed."""
+class _ShardRows:
+    """The token rows of one shard (ids, mask, hidden), filled in order and then written whole. A full
+    one goes to a write thread untouched while the next fills, so rows are copied in exactly once."""
 
-    def __init__(self, width: int, dtype: np.dtype, capacity: int) -> None:
+    def __init__(self, width: int, dtype: np.dtype, rows: int, start: int) -> None:
+        self.arrays = [np.empty(rows, np.int32), np.empty(rows, np.uint8), np.empty((rows, width), dtype)]
+        self.start = start  # absolute token index of row 0 (a multiple of the shard size)
         self.n = 0
-        self.arrays = [np.empty(capacity, np.int32), np.empty(capacity, np.uint8), np.empty((capacity, width), dtype)]
 
-    def append(self, rows: Sequence[np.ndarray]) -> None:
-        need = self.n + len(rows[0])
-        if need > len(self.arrays[0]):
-            cap = max(need, 2 * len(self.arrays[0]))
-            grown = [np.empty((cap,) + a.shape[1:], a.dtype) for a in self.arrays]
-            for new, old in zip(grown, self.arrays):
-                new[: self.n] = old[: self.n]
-            self.arrays = grown
+    @property
+    def full(self) -> bool:
+        return self.n == len(self.arrays[0])
+
+    def fill(self, rows: Sequence[np.ndarray], offset: int) -> int:
+        """Copy rows[offset:] in until full; returns how many were taken."""
+        take = min(len(rows[0]) - offset, len(self.arrays[0]) - self.n)
         for buf, r in zip(self.arrays, rows):
-            buf[self.n : need] = r
-        self.n = need
+            buf[self.n : self.n + take] = r[offset : offset + take]
+        self.n += take
+        return take
 
-    def head(self, k: int) -> list[np.ndarray]:
-        return [a[:k] for a in self.arrays]
-
-    def drop(self, k: int) -> None:
-        """Forget the first k rows, moving the rest to the front."""
-        for a in self.arrays:
-            a[: self.n - k] = a[k : self.n]
-        self.n -= k
+    def reuse(self, start: int) -> "_ShardRows":
+        self.start, self.n = start, 0
+        return self
 
 
 class StoreWriter:
@@ -209,6 +213,7 @@ class StoreWriter:
         shard_tokens: int | None = None,
         compression: str = DEFAULT_COMPRESSION,
         overwrite: bool = False,
+        write_streams: int = WRITE_STREAMS,
     ) -> None:
         if hidden_dtype not in STORAGE_DTYPES:
             raise ValueError(f"hidden_dtype {hidden_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
@@ -218,6 +223,10 @@ class StoreWriter:
         if shard_tokens % chunk_tokens:
             raise ValueError(f"shard_tokens {shard_tokens} is not a multiple of chunk_tokens {chunk_tokens}")
         parse_compression(compression)  # fail before touching the disk
+        if write_streams < 1:
+            raise ValueError(f"write_streams must be >= 1, got {write_streams}")
+        self.write_streams = write_streams
+        self._pool: ThreadPoolExecutor | None = None
         self.root = Path(root)
         self.rank = rank
         self.group_dir = self.root / rank_group_name(rank)
@@ -299,10 +308,8 @@ class StoreWriter:
                       "hidden_states": (self._cap_t, self.layout["hidden_width"]),
                       "sample_offsets": (self._cap_n + 1,), "sample_index": (self._cap_n,)})
         self._set_state(commit, offsets, index)
-        head = (commit.tokens // self.shard_tokens) * self.shard_tokens
-        self._buf_start = head
-        if commit.tokens > head:
-            self._rows.append([self._arrays[name][head : commit.tokens] for name in TOKEN_ARRAYS])
+        if commit.tokens > self._shard.start:
+            self._shard.fill([self._arrays[name][self._shard.start : commit.tokens] for name in TOKEN_ARRAYS], 0)
 
     def _open_arrays(self) -> None:
         group = zarr.open_group(self.group_dir, mode="r+")
@@ -319,8 +326,17 @@ class StoreWriter:
         self._index = index
         self._batches = commit.batches
         self._pending: list[tuple[int, int]] = []  # (end token, end sample) of uncommitted batches
-        self._rows = _RowBuffer(self.layout["hidden_width"], self.storage_dtype, self.shard_tokens)
-        self._buf_start = commit.tokens  # absolute token index of the buffer's first row
+        # The shard being filled starts at the committed shard boundary; `_reopen` reads back the
+        # committed rows past it.
+        self._spare: list[_ShardRows] = []  # written shards' buffers, for reuse
+        self._shard = self._new_shard((commit.tokens // self.shard_tokens) * self.shard_tokens)
+        self._inflight: deque[tuple[int, Future, _ShardRows]] = deque()  # (end token, write, rows), oldest first
+        self._failed: BaseException | None = None
+
+    def _new_shard(self, start: int) -> _ShardRows:
+        if self._spare:
+            return self._spare.pop().reuse(start)
+        return _ShardRows(self.layout["hidden_width"], self.storage_dtype, self.shard_tokens, start)
 
     # ---------------------------------------------------------------- writing
     @property
@@ -345,14 +361,19 @@ class StoreWriter:
                 f"{self.group_dir}: batch {self._batches} exceeds the capacity given at creation "
                 f"({cap_t} tokens, {cap_n} samples)"
             )
+        self._raise_if_failed()
         for index, ids, mask, hidden in rows:
-            self._rows.append((ids, mask, hidden))
+            taken = 0
+            while taken < len(ids):
+                taken += self._shard.fill((ids, mask, hidden), taken)
+                if self._shard.full:
+                    self._send(self._shard)
+                    self._shard = self._new_shard(self._shard.start + self.shard_tokens)
             self._index.append(index)
             self._offsets.append(self._offsets[-1] + len(ids))
         self._batches += 1
         self._pending.append((end, len(self._index)))
-        if self._rows.n >= self.shard_tokens:
-            self.flush_shards()
+        self._collect(keep=self.write_streams)
 
     def _validate(self, index: Any, ids: Any, mask: Any, hidden: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         where = f"{self.group_dir}: sample {index}"
@@ -375,24 +396,47 @@ class StoreWriter:
         return int(index), ids.astype(np.int32, copy=False), mask.astype(np.uint8, copy=False), hidden
 
     def flush_shards(self) -> None:
-        """Write every whole shard in the buffer, make it durable, then commit the batches it completes."""
-        flushed = self._buf_start + (self._rows.n // self.shard_tokens) * self.shard_tokens
-        if flushed == self._buf_start:
-            return
-        self._write_tokens(self._buf_start, flushed)
-        self._commit_through(flushed)
+        """Wait until every full shard handed to the write threads is durable, then commit the
+        batches they complete (the shard being filled stays in memory)."""
+        self._raise_if_failed()
+        self._collect(keep=0)
 
-    def _write_tokens(self, start: int, stop: int) -> None:
-        """Write buffered rows [start, stop) (start is shard-aligned) as whole shard files, fsynced."""
-        size = self.shard_tokens
-        shards = range(start // size, -(-stop // size))
-        jobs = [(self._formats[name], k, rows[k * size - start : min(stop, (k + 1) * size) - start])
-                for name, rows in zip(TOKEN_ARRAYS, self._rows.head(stop - start)) for k in shards]
-        write_shards(jobs, codec_pool())
-        self._rows.drop(stop - start)
-        self._buf_start = stop
-        for name in TOKEN_ARRAYS:  # write_shards fsynced the files; their new names need the directories
-            self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1) for k in shards], files=False)
+    def _send(self, shard: _ShardRows) -> None:
+        """Queue a full shard for writing, after waiting for a write thread if all are busy."""
+        self._collect(keep=self.write_streams - 1)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.write_streams, thread_name_prefix="dflash-shard-write")
+        self._inflight.append((shard.start + shard.n, self._pool.submit(self._write_shard, shard), shard))
+
+    def _collect(self, keep: int) -> None:
+        """Take finished shard writes in order (waiting while more than `keep` are in flight), then
+        commit the batches the durable prefix completes. Shards may finish out of order; only a
+        prefix of them counts, so a crash leaves nothing committed that is not on disk."""
+        durable = None
+        while self._inflight and (len(self._inflight) > keep or self._inflight[0][1].done()):
+            end, write, shard = self._inflight[0]
+            try:
+                write.result()
+            except BaseException as exc:
+                self._failed = exc  # later shards may land, but the commit point must stop here
+                raise
+            self._inflight.popleft()
+            self._spare.append(shard)
+            durable = end
+        if durable is not None:
+            self._commit_through(durable)
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise StoreError(f"{self.group_dir}: an earlier shard write failed ({self._failed!r}); nothing after it is committed")
+
+    def _write_shard(self, shard: _ShardRows) -> None:
+        """Write one shard's rows as whole shard files, fsynced, and the directories naming them."""
+        k = shard.start // self.shard_tokens
+        write_shards([(self._formats[name], k, rows[: shard.n]) for name, rows in zip(TOKEN_ARRAYS, shard.arrays)],
+                     codec_pool())
+        for name in TOKEN_ARRAYS:
+            self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1)], files=False)
 
     def _fsync_chunks(self, name: str, coords: list[tuple[int, ...]], files: bool = True) -> None:
         """fsync the chunk/shard files at `coords` (unless `files` is False) and the directories leading to them."""
@@ -464,12 +508,15 @@ class StoreWriter:
         """
         if not self._commit.done:
             self.flush_shards()
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
             total_t, total_n = self._offsets[-1], len(self._index)
             width = self.layout["hidden_width"]
             self._resize({"input_ids": (total_t,), "loss_mask": (total_t,), "hidden_states": (total_t, width),
                           "sample_offsets": (total_n + 1,), "sample_index": (total_n,)})
-            if total_t > self._buf_start:
-                self._write_tokens(self._buf_start, total_t)
+            if self._shard.n:
+                self._write_shard(self._shard)
             self._write_sample_arrays(self._commit.samples, total_n)
             self._commit = Commit(self._batches, total_n, total_t, True)
             self._pending.clear()

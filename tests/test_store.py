@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -105,6 +106,23 @@ def test_round_trip_is_bit_exact_across_shard_boundaries(tmp_path, dtype, compre
         assert store[0].hidden_states.dtype == torch.bfloat16
 
 
+def test_write_streams_change_nothing_on_disk_and_may_differ_on_resume(tmp_path):
+    """The number of write threads is not part of the layout: stores written with 1 and 5 are equal
+    bit for bit, and a store begun with 5 resumes with 1."""
+    write_store(tmp_path / "one", seed=13, n_batches=20, write_streams=1)
+    first = StoreWriter(tmp_path / "mixed", 0, hidden_dtype="bfloat16", compression="zstd:1", write_streams=5, **LAYOUT)
+    for b in range(12):
+        first.append_batch(make_batch(13, b))
+    first.flush_shards()
+    assert first.committed.batches > 0
+    del first  # abandoned without finalize, as after a crash
+    write_store(tmp_path / "mixed", seed=13, n_batches=20, write_streams=1)
+    for name in ("one", "mixed"):
+        write_manifest_for(tmp_path / name, complete=True)
+    assert stores_equal(tmp_path / "one", tmp_path / "mixed")
+    assert_store_holds(FeatureStore(tmp_path / "one"), expected_samples(13, 20))
+
+
 def test_arrays_are_trimmed_sharded_and_readable_with_plain_zarr(tmp_path):
     write_store(tmp_path, seed=2, n_batches=20)
     samples = expected_samples(2, 20)
@@ -138,6 +156,74 @@ def test_writer_copies_what_it_is_given(tmp_path):
     w.finalize()
     write_manifest_for(tmp_path, complete=True)
     assert_store_holds(FeatureStore(tmp_path), [s for batch in originals for s in batch])
+
+
+def _gated_shard_writes(writer: StoreWriter, gates: dict[int, threading.Event], fail: set[int] = frozenset()):
+    """Make shard k's write wait for gates[k] (if any) and raise for k in `fail`; returns the shard
+    numbers in the order their writes finished."""
+    original, finished = writer._write_shard, []
+
+    def write(shard):
+        k = shard.start // writer.shard_tokens
+        if k in gates:
+            assert gates[k].wait(30)
+        if k in fail:
+            raise OSError(28, f"No space left on device (shard {k})")
+        original(shard)
+        finished.append(k)
+
+    writer._write_shard = write
+    return finished
+
+
+def _shard_end_batches(seed: int, n_batches: int, shard_tokens: int) -> list[int]:
+    """For each shard boundary, how many of the first batches end at or before it."""
+    ends = np.cumsum([sum(len(s[1]) for s in make_batch(seed, b)) for b in range(n_batches)])
+    return [int(np.searchsorted(ends, k * shard_tokens, side="right")) for k in range(1, int(ends[-1]) // shard_tokens + 1)]
+
+
+def test_shards_finishing_out_of_order_commit_only_the_durable_prefix(tmp_path):
+    w = StoreWriter(tmp_path, 0, hidden_dtype="bfloat16", write_streams=3, **LAYOUT)
+    gate = threading.Event()
+    finished = _gated_shard_writes(w, {0: gate})
+    ends = np.cumsum([sum(len(s[1]) for s in make_batch(11, b)) for b in range(40)])
+    n_batches = int(np.searchsorted(ends, 4 * LAYOUT["shard_tokens"]))  # fills shards 0-2: one per stream
+    assert ends[n_batches - 1] >= 3 * LAYOUT["shard_tokens"]
+    for b in range(n_batches):
+        w.append_batch(make_batch(11, b))
+    deadline = time.monotonic() + 30
+    while len(finished) < 2 and time.monotonic() < deadline:  # shards 1 and 2 land while 0 waits
+        time.sleep(0.01)
+    assert sorted(finished) == [1, 2]
+    w._collect(keep=3)
+    assert w.committed.batches == 0 and w.committed.tokens == 0  # shard 0 is not durable yet
+    gate.set()
+    w.flush_shards()
+    assert w.committed.batches == _shard_end_batches(11, n_batches, LAYOUT["shard_tokens"])[len(finished) - 1]
+    w.finalize()
+    write_manifest_for(tmp_path, complete=True)
+    assert_store_holds(FeatureStore(tmp_path), expected_samples(11, n_batches))
+
+
+def test_a_failed_shard_write_stops_the_commit_point_there(tmp_path):
+    w = StoreWriter(tmp_path, 0, hidden_dtype="bfloat16", write_streams=3, **LAYOUT)
+    _gated_shard_writes(w, {}, fail={1})
+    with pytest.raises(OSError, match=r"No space left on device \(shard 1\)"):
+        for b in range(40):
+            w.append_batch(make_batch(12, b))
+        w.flush_shards()
+    time.sleep(0.2)  # later shards' writes may still land on disk...
+    assert w.committed.batches == _shard_end_batches(12, 40, LAYOUT["shard_tokens"])[0]  # ...only shard 0 counts
+    for call in (lambda: w.append_batch(make_batch(12, 40)), w.flush_shards, w.finalize):
+        with pytest.raises(StoreError, match="an earlier shard write failed"):
+            call()
+    assert not _read_progress_done(tmp_path)
+
+
+def _read_progress_done(root: Path) -> bool:
+    import json
+
+    return json.loads((root / "shards/rank-00000.progress.json").read_bytes())["done"]
 
 
 def test_mark_complete_checks_the_ranks(tmp_path):
@@ -222,6 +308,7 @@ def test_incomplete_store_is_refused_unless_asked(tmp_path):
     w = StoreWriter(tmp_path, 0, hidden_dtype="bfloat16", **LAYOUT)
     for b in range(8):
         w.append_batch(make_batch(6, b))
+    w.flush_shards()  # the full shards' writes are done and committed
     write_manifest_for(tmp_path, complete=False)
     with pytest.raises(StoreIncomplete, match=f"{tmp_path}: store is incomplete"):
         FeatureStore(tmp_path)
@@ -319,7 +406,7 @@ def _arm(point: str, nth: int, root: Path) -> None:
 
         shard_io._writev_all = torn
     elif point == "finalize-after-trim":  # arrays trimmed, last partial shard not yet written
-        before(W_, "_write_tokens", lambda self, start, stop: stop % self.shard_tokens != 0)
+        before(W_, "_write_shard", lambda self, shard: not shard.full)
     elif point == "finalize-before-done":
         before(W_, "_write_progress", lambda self: self._commit.done)
     elif point == "after-finalize":

@@ -96,6 +96,29 @@ def test_loader_workers_deliver_the_planned_batches_across_epochs(store_dir, wor
     assert padded and all(not h[d < 0].any() and h[d >= 0].abs().sum() > 0 for h, d in padded)  # padding is zero
 
 
+class _WorkerTaggedSteps(StepDataset):
+    """Each batch says which worker built it."""
+
+    def __getitem__(self, item):
+        epoch, k, batch = super().__getitem__(item)
+        return epoch, k, {**batch, "worker": torch.tensor(torch.utils.data.get_worker_info().id)}
+
+
+def test_each_worker_fills_only_its_own_slots(store_dir):
+    """The slot of step i is i % slots and the DataLoader gives step i to worker i % workers; with a
+    slot count that is a multiple of the worker count each worker keeps to its own slots (the ones it
+    mapped at start). Checks both halves: the count, and torch's dispatch order."""
+    for workers, prefetch in [(1, 1), (2, 2), (3, 2), (4, 1), (5, 3)]:
+        count = slots_needed(workers, prefetch)
+        assert count % workers == 0 and workers * prefetch + 2 <= count < workers * prefetch + 2 + workers
+    store = FeatureStore(store_dir)
+    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=1, rank=0, world=1, packs_per_step=1)
+    schedule = plan.schedule(3)[:10]
+    got = list(device_batches(_WorkerTaggedSteps(str(store_dir), plan, PackSpec(256, 16, 8, 0, 512)), schedule, 3,
+                              torch.device("cpu"), prefetch=2))
+    assert [int(b["worker"]) for _, _, b in got] == [i % 3 for i in range(len(schedule))]
+
+
 def test_in_process_batches_equal_worker_batches(store_dir):
     store = FeatureStore(store_dir)
     plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=5, rank=0, world=1, packs_per_step=1)

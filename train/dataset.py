@@ -59,8 +59,11 @@ class StepDataset(Dataset):
 
     One loader serves the whole run (a list of (epoch, k, slot) is its sampler), so its worker
     processes start once instead of at every epoch. With `slots` set (`train/feed.py`), the hidden
-    states go into `slots[slot]` and the batch carries the slot's number instead of them; with
-    slot None they go into a new tensor.
+    states go into `slots[slot]` and the batch carries the slot's number instead of them, and its
+    small tensors as numpy arrays, which travel by value: a tensor would travel as a shared-memory
+    handle, and the main process fetches each one's file descriptor from the worker in a handshake
+    that waits for the worker's GIL while it decodes the next pack. With slot None the hidden states
+    go into a new tensor.
     """
 
     def __init__(self, store_root: str, plan: StepPlan, spec: PackSpec) -> None:
@@ -90,7 +93,7 @@ class StepDataset(Dataset):
             return epoch, k, build_batch(self.store, packs, self.spec, self.plan.seed, epoch)
         batch = build_batch(self.store, packs, self.spec, self.plan.seed, epoch, hidden=self.slots[slot])
         del batch["context_hidden"]
-        return epoch, k, {**batch, "slot": slot}
+        return epoch, k, {**{key: value.numpy() for key, value in batch.items()}, "slot": slot}
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:

@@ -17,7 +17,11 @@ from dflash.train.feed import device_batches, slots_needed
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(tiny_target_dir, tmp_path):
+@pytest.mark.parametrize("workers, prefetch", [(1, 1), (2, 2)])
+def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(tiny_target_dir, tmp_path, workers, prefetch):
+    """Every batch kept on the device and compared at the end, while the current stream is kept
+    busy (as a training step would) so copies on the feed's stream run beside it: a slot refilled
+    before its copy finished, or a batch read before its copy landed, shows as a mismatch."""
     data = tmp_path / "corpus.jsonl"
     data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:64]) + "\n")
     run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(tmp_path / "store"),
@@ -29,12 +33,14 @@ def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(tiny_
     assert len(schedule) > 3 * slots_needed(1, 1)
     dataset = StepDataset(str(tmp_path / "store"), plan, spec)
     device = torch.device("cuda")
-    seen = 0
-    for epoch, k, batch in device_batches(dataset, schedule, 1, device, prefetch=1):
+    got = []
+    for epoch, k, batch in device_batches(dataset, schedule, workers, device, prefetch=prefetch):
         assert all(dataset.slots[i].is_pinned() for i in range(len(dataset.slots)))
+        torch.cuda._sleep(20_000_000)  # ~10 ms of "step" queued on the current stream
+        got.append((epoch, k, batch))
+    assert [(e, k) for e, k, _ in got] == schedule and dataset.slots is None
+    for epoch, k, batch in got:
         want = build_batch(store, plan.epoch_packs(epoch)[2 * k : 2 * k + 2], spec, 1, epoch)
         assert batch.keys() == want.keys()
         for key, value in want.items():
             assert batch[key].device.type == "cuda" and torch.equal(batch[key].cpu(), value), (epoch, k, key)
-        seen += 1
-    assert seen == len(schedule) and dataset.slots is None
