@@ -131,6 +131,34 @@ def test_in_process_batches_equal_worker_batches(store_dir):
         assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
 
 
+def groups_from_rank0(rank: int, world: int, store_dir: str, init: str) -> np.ndarray:
+    """Each rank's copy of the held-out prompt groups; any rank but 0 computing them fails."""
+    from dflash.train.holdout import prompt_groups
+    from dflash.train.loop import from_rank0
+
+    device = torch.device("cpu")
+    init_distributed(rank, world, device, init)
+    try:
+        store = FeatureStore(store_dir)
+
+        def compute():
+            if rank != 0:
+                raise AssertionError(f"rank {rank} read the prompts")
+            return prompt_groups(store)
+
+        return from_rank0(compute, len(store), device)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_prompt_groups_are_read_on_rank_0_and_sent_to_every_rank(store_dir):
+    from dflash.train.holdout import prompt_groups
+
+    got = spawn_ranks(groups_from_rank0, 3, (3, str(store_dir), f"tcp://127.0.0.1:{free_port()}"))
+    want = prompt_groups(FeatureStore(store_dir))
+    assert len(want) > 1 and all(g.dtype == np.int64 and np.array_equal(g, want) for g in got)
+
+
 @pytest.mark.slow
 def test_ddp_gradients_equal_single_process(store_dir, tmp_path):
     cfg = base_config(store_dir, tmp_path / "run")

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -80,6 +81,19 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def from_rank0(compute: Callable[[], np.ndarray], length: int, device: torch.device) -> np.ndarray:
+    """`compute()` (int64 [length]) run on rank 0 only and sent to every rank: the held-out prompt
+    groups read every sample's ids and mask (5 bytes per token of the store), once is enough."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return compute()
+    if dist.get_rank() == 0:
+        values = torch.as_tensor(compute(), dtype=torch.int64).to(device)
+    else:
+        values = torch.empty(length, dtype=torch.int64, device=device)
+    dist.broadcast(values, src=0)
+    return values.cpu().numpy()
+
+
 class MetricsLog:
     """metrics.jsonl on rank 0; on resume, lines after the resumed step are dropped first."""
 
@@ -125,7 +139,8 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
     gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
 
     lengths = np.asarray(store.lengths)
-    groups = prompt_groups(store) if cfg.eval_samples else None  # a held-out prompt never also trains
+    # a held-out prompt never also trains
+    groups = from_rank0(lambda: prompt_groups(store), len(store), device) if cfg.eval_samples else None
     train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed, groups)
     spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, cfg.max_anchors_per_sample)
     plan = StepPlan(train_ids, lengths, cfg.pack_tokens, cfg.seed, rank, world, cfg.packs_per_step)
