@@ -126,7 +126,8 @@ class TimedSteps(StepDataset):
         end = time.perf_counter()
         gap = 0.0 if self._last_end is None else t - self._last_end
         self._last_end = end
-        return epoch, k, {**batch, "build_s": np.array([end - t, gap])}  # numpy like the rest (see StepDataset)
+        times = np.array([end - t, gap])  # numpy where the batch's arrays are (slots), else a tensor
+        return epoch, k, {**batch, "build_s": times if item[2] is not None else torch.from_numpy(times)}
 
 
 def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> dict[str, float]:
