@@ -130,6 +130,11 @@ class TimedSteps(StepDataset):
         return epoch, k, {**batch, "build_s": times if item[2] is not None else torch.from_numpy(times)}
 
 
+def one_pack_steps(store) -> StepPlan:
+    """One rank's plan over the whole store, one pack of S tokens per step (seed 0)."""
+    return StepPlan(np.arange(len(store)), np.asarray(store.lengths), S, 0, rank=0, world=1, packs_per_step=1)
+
+
 def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> dict[str, float]:
     """Batches (one pack each) per second into GPU memory, and the mean time a worker spent building
     one. `path`: "slots", the trainer's (`train/feed.py`: workers decode into page-locked shared
@@ -146,11 +151,10 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
     from dflash.shared.store import FeatureStore
     from dflash.train.feed import device_batches
 
-    store = FeatureStore(root)
-    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), S, 0, rank=0, world=1, packs_per_step=1)
-    epochs = 2 + (steps + workers) // plan.steps_in(0)  # one spare: epochs differ a little in length
+    plan = one_pack_steps(FeatureStore(root))
+    warm = 1 if path == "inline" else max(1, workers)
+    epochs = 2 + (warm + steps) // plan.steps_in(0)  # one spare: epochs differ a little in length
     dataset = TimedSteps(str(root), plan, PackSpec(S, N, B, 0, 512))
-    warm = max(1, workers if path != "inline" else 1)
     schedule = plan.schedule(epochs)[: warm + steps]
     device = torch.device("cuda")
     if path == "stock":
@@ -225,7 +229,7 @@ def build_profile(root: Path, packs: int = 6, top: int = 8) -> list[tuple[str, f
     from dflash.train.dataset import build_batch
 
     store = FeatureStore(root)
-    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), S, 0, rank=0, world=1, packs_per_step=1)
+    plan = one_pack_steps(store)
     spec, todo = PackSpec(S, N, B, 0, 512), plan.epoch_packs(0)[:packs]
     hidden = torch.empty(1, S, store.hidden_width, dtype=store.hidden_dtype)
     build_batch(store, todo[:1], spec, 0, 0, hidden=hidden)  # files opened, pages of `hidden` mapped

@@ -224,7 +224,7 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
         capacity_tokens=max(1, summary.tokens),
         capacity_samples=max(1, summary.samples),
         **{k: v for k, v in (("compression", cfg.compression), ("chunk_tokens", cfg.chunk_tokens),
-                                              ("shard_tokens", cfg.shard_tokens), ("write_streams", cfg.write_streams)) if v is not None},
+                             ("shard_tokens", cfg.shard_tokens), ("write_streams", cfg.write_streams)) if v is not None},
     )
     done = writer.resume()
     summary.resumed_batches = done
