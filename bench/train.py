@@ -116,9 +116,12 @@ def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: 
 
 class TimedSteps(StepDataset):
     """The trainer's dataset, each batch also carrying how long its worker took to build it and how
-    long that worker had waited since its previous batch (for work, or to hand that batch over)."""
+    long that worker had waited since its previous batch (for work, or to hand that batch over).
+    With `send_small`, a slot's small arrays also travel by value, as the previous feed sent them:
+    its hand-over cost, measured beside the current one."""
 
     _last_end: float | None = None
+    send_small = False
 
     def __getitem__(self, item):
         t = time.perf_counter()
@@ -126,8 +129,12 @@ class TimedSteps(StepDataset):
         end = time.perf_counter()
         gap = 0.0 if self._last_end is None else t - self._last_end
         self._last_end = end
-        times = np.array([end - t, gap])  # numpy where the batch's arrays are (slots), else a tensor
-        return epoch, k, {**batch, "build_s": times if item[2] is not None else torch.from_numpy(times)}
+        times = np.array([end - t, gap])
+        if item[2] is None:  # a batch of tensors (in-process, stock DataLoader)
+            return epoch, k, {**batch, "build_s": torch.from_numpy(times)}
+        if self.send_small:
+            batch.update({key: v.numpy() for key, v in self.slots.views(item[2]).items() if key != "context_hidden"})
+        return epoch, k, {**batch, "build_s": times}
 
 
 def one_pack_steps(store) -> StepPlan:
@@ -137,15 +144,17 @@ def one_pack_steps(store) -> StepPlan:
 
 def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> dict[str, float]:
     """Batches (one pack each) per second into GPU memory, and the mean time a worker spent building
-    one. `path`: "slots", the trainer's (`train/feed.py`: workers decode into page-locked shared
-    slots, one DMA copy each); "stock", the baseline (a stock DataLoader of the same dataset: a new
-    shared tensor per batch and the pin-memory thread); "inline", built in this process (`workers`
-    ignored: the per-process build rate). worker_gap_s: a worker's mean wait between two
-    batches; main_cpu_ms_per_batch: this process's CPU time per batch (all its threads). Steady state: timed once every worker has delivered a
-    batch (timed from the first batch, the other workers' start-up falls inside the window: 2
-    workers on the CPU machine gave 4.3 packs/s over 6 steps, 18.6 over 40). workers / build_s is the rate the workers could deliver:
-    if it is far above packs_per_s, the main process is the limit; if build_s grows with the worker
-    count, the workers contend for something (memory bandwidth, cores, the disk)."""
+    one. `path`: "slots", the trainer's (`train/feed.py`: workers build whole batches into
+    page-locked shared slots, one DMA copy each, only the slot's number sent back); "slots_sent", the
+    same with the small arrays also sent by value (the previous feed's hand-over); "stock", the
+    baseline (a stock DataLoader of the same dataset: new shared tensors per batch and the pin-memory
+    thread); "inline", built in this process (`workers` ignored: the per-process build rate).
+    worker_gap_s: a worker's mean wait between two batches; main_cpu_ms_per_batch: this process's
+    CPU time per batch (all its threads). Steady state: timed once every worker has delivered a batch
+    (timed from the first batch, the other workers' start-up falls inside the window: 2 workers on
+    the CPU machine gave 4.3 packs/s over 6 steps, 18.6 over 40). workers / build_s is the rate the
+    workers could deliver: if it is far above packs_per_s, the main process is the limit; if build_s
+    grows with the worker count, the workers contend for something (memory bandwidth, cores, the disk)."""
     from torch.utils.data import DataLoader
 
     from dflash.shared.store import FeatureStore
@@ -155,6 +164,7 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
     warm = 1 if path == "inline" else max(1, workers)
     epochs = 2 + (warm + steps) // plan.steps_in(0)  # one spare: epochs differ a little in length
     dataset = TimedSteps(str(root), plan, PackSpec(S, N, B, 0, 512))
+    dataset.send_small = path == "slots_sent"
     schedule = plan.schedule(epochs)[: warm + steps]
     device = torch.device("cuda")
     if path == "stock":
@@ -162,7 +172,7 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
             dataset, batch_size=None, sampler=[(e, k, None) for e, k in schedule], num_workers=workers,
             pin_memory=True, prefetch_factor=2, multiprocessing_context="spawn"))  # blosc threads as numcodecs sets them
     else:
-        batches = (b for _, _, b in device_batches(dataset, schedule, workers if path == "slots" else 0, device))
+        batches = (b for _, _, b in device_batches(dataset, schedule, 0 if path == "inline" else workers, device))
     for _ in range(warm):  # start-up is paid once per run: every worker has delivered a batch before the clock starts
         next(batches)
     build = torch.zeros(2, dtype=torch.float64, device=device)
@@ -179,10 +189,10 @@ def host_to_device_rates(width: int, repeats: int = 5) -> dict[str, float]:
     """GB/s of copying one pack's hidden states to the GPU from page-locked shared memory (the
     feed's slots), from pinned memory of torch's allocator, and from ordinary memory: the ceiling on
     packs/s that no loader can pass (one DMA per pack)."""
-    from dflash.train.feed import SlotRing
+    from dflash.train.feed import SlotLayout, SlotRing
 
-    ring = SlotRing(1, (S, width), torch.bfloat16, pin=True)
-    sources = {"registered_shared": ring.buffers[0], "pinned": torch.empty(S, width, dtype=torch.bfloat16).pin_memory(),
+    ring = SlotRing(1, SlotLayout.of({"hidden": ((S, width), torch.bfloat16)}), pin=True)
+    sources = {"registered_shared": ring.views(0)["hidden"], "pinned": torch.empty(S, width, dtype=torch.bfloat16).pin_memory(),
                "pageable": torch.empty(S, width, dtype=torch.bfloat16)}
     rates = {}
     for name, host in sources.items():
@@ -231,12 +241,11 @@ def build_profile(root: Path, packs: int = 6, top: int = 8) -> list[tuple[str, f
     store = FeatureStore(root)
     plan = one_pack_steps(store)
     spec, todo = PackSpec(S, N, B, 0, 512), plan.epoch_packs(0)[:packs]
-    hidden = torch.empty(1, S, store.hidden_width, dtype=store.hidden_dtype)
-    build_batch(store, todo[:1], spec, 0, 0, hidden=hidden)  # files opened, pages of `hidden` mapped
+    out = build_batch(store, todo[:1], spec, 0, 0)  # files opened, pages of `out` mapped
     profiler = cProfile.Profile()
     profiler.enable()
     for pack in todo:
-        build_batch(store, [pack], spec, 0, 0, hidden=hidden)
+        build_batch(store, [pack], spec, 0, 0, out=out)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     rows = sorted(((f"{fn[2]} ({Path(fn[0]).name}:{fn[1]})", v[2] / len(todo)) for fn, v in stats.items()), key=lambda r: -r[1])
@@ -280,6 +289,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5, help="drafter decoder layers")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--loader-workers", type=int, default=8)
+    ap.add_argument("--loader-steps", type=int, default=150, help="timed batches per loader run")
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--loader-only", action="store_true", help="time only the data loader (no step, no compile)")
     ap.add_argument("--loader-diagnostics", action="store_true",
@@ -331,8 +341,9 @@ def main() -> None:
     counts = sorted({args.loader_workers // 2, args.loader_workers, 14})
     for name in ("store", "store_none"):
         runs = {"inline": loader_rate(scratch / name, 0, steps=8, path="inline"),
-                **{w: loader_rate(scratch / name, w, steps=90) for w in (counts if name == "store" else counts[-1:])}}
+                **{w: loader_rate(scratch / name, w, steps=args.loader_steps) for w in (counts if name == "store" else counts[-1:])}}
         if name == "store":
+            runs["slots_sent"] = loader_rate(scratch / name, args.loader_workers, steps=args.loader_steps, path="slots_sent")
             runs["stock"] = loader_rate(scratch / name, args.loader_workers, steps=40, path="stock")
         loader[name] = runs
     best = max(counts, key=lambda w: loader["store"][w]["packs_per_s"])
@@ -340,6 +351,8 @@ def main() -> None:
     result["loader"] = {"best_workers": best, "packs_per_s": packs_per_s,
                         **({"consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc} if fc else {}),
                         "speedup_vs_stock": loader["store"][args.loader_workers]["packs_per_s"] / loader["store"]["stock"]["packs_per_s"],
+                        "speedup_vs_small_arrays_sent": (loader["store"][args.loader_workers]["packs_per_s"]
+                                                         / loader["store"]["slots_sent"]["packs_per_s"]),
                         **loader}
     emit(result, args.json)
 

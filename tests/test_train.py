@@ -21,8 +21,8 @@ from dflash.extract.run import run_extraction
 from dflash.shared.launch import free_port, spawn_ranks
 from dflash.shared.store import FeatureStore
 from dflash.train.config import TrainConfig
-from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
-from dflash.train.feed import device_batches, slots_needed
+from dflash.train.dataset import PackSpec, StepDataset, StepPlan, batch_layout, build_batch, build_pack
+from dflash.train.feed import SlotLayout, SlotRing, device_batches, slots_needed
 from dflash.train.loop import TrainingError, build_model, init_distributed
 from dflash.train.packing import plan_packs, rank_slice
 from dflash.train.run import run_training
@@ -129,6 +129,49 @@ def test_in_process_batches_equal_worker_batches(store_dir):
     assert [(e, k) for e, k, _ in inline] == [(e, k) for e, k, _ in spawned] == schedule
     for (_, _, a), (_, _, b) in zip(inline, spawned):
         assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_batch_layout_is_what_build_pack_makes(store_dir):
+    """The slots are allocated from `batch_layout` before any batch exists, and a pack is written into
+    them by assignment, which would silently cast a dtype or leave a key it lacks uninitialised."""
+    store = FeatureStore(store_dir)
+    spec = PackSpec(256, 16, 8, 0, 512)
+    layout = batch_layout(spec, 3, store.hidden_width, store.hidden_dtype)
+    hidden = torch.empty(256, store.hidden_width, dtype=store.hidden_dtype)
+    part = build_pack(store, [0, 1], spec, 0, 0, hidden)
+    assert set(layout) == {"context_hidden", *part}
+    assert layout["context_hidden"] == ((3, *hidden.shape), hidden.dtype)
+    for key, value in part.items():
+        assert layout[key] == ((3, *value.shape), value.dtype), key
+
+
+def test_slot_layout_views_are_aligned_and_disjoint():
+    shapes = {"h": ((2, 3, 5), torch.bfloat16), "flag": ((7,), torch.bool), "ids": ((2, 9), torch.long)}
+    layout = SlotLayout.of(shapes)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    views = layout.carve(buffer)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in views.items()} == shapes
+    offsets = [v.data_ptr() - buffer.data_ptr() for v in views.values()]
+    assert offsets == [0, 256, 512] and layout.nbytes == 512 + 2 * 9 * 8 + 112  # each view starts 256-aligned
+    views["h"].fill_(-1.5)
+    views["ids"].fill_(-1)
+    assert not views["flag"].any() and (views["h"] == -1.5).all()  # writes stay inside their own view
+    assert int((buffer != 0).sum()) == 2 * 3 * 5 * 2 + 2 * 9 * 8
+
+
+def test_a_slot_item_sends_only_its_number(store_dir):
+    """With a slot ring the batch is built in the slot, and the item that crosses the DataLoader's
+    pipe holds nothing else (the hand-over was the loader's limit, not the decode)."""
+    store = FeatureStore(store_dir)
+    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=2, rank=0, world=1, packs_per_step=2)
+    spec = PackSpec(256, 16, 8, 0, 512)
+    dataset = StepDataset(str(store_dir), plan, spec)
+    dataset.slots = SlotRing(3, SlotLayout.of(batch_layout(spec, 2, store.hidden_width, store.hidden_dtype)), pin=False)
+    dataset.slots.buffers[1].fill_(0xFF)  # stale bytes: every one of them must be overwritten
+    assert dataset[(0, 1, 1)] == (0, 1, {"slot": 1})
+    want = build_batch(store, plan.epoch_packs(0)[2:4], spec, 2, 0)
+    got = dataset.slots.views(1)
+    assert got.keys() == want.keys() and all(torch.equal(got[key], want[key]) for key in want)
 
 
 def groups_from_rank0(rank: int, world: int, store_dir: str, init: str) -> np.ndarray:

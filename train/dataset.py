@@ -58,12 +58,10 @@ class StepDataset(Dataset):
     """Item (epoch, k, slot) = (epoch, k, the batch of this rank's step k of that epoch).
 
     One loader serves the whole run (a list of (epoch, k, slot) is its sampler), so its worker
-    processes start once instead of at every epoch. With `slots` set (`train/feed.py`), the hidden
-    states go into `slots[slot]` and the batch carries the slot's number instead of them, and its
-    small tensors as numpy arrays, which travel by value: a tensor would travel as a shared-memory
-    handle, and the main process fetches each one's file descriptor from the worker in a handshake
-    that waits for the worker's GIL while it decodes the next pack. With slot None the hidden states
-    go into a new tensor.
+    processes start once instead of at every epoch. With `slots` set (a `train.feed.SlotRing`), the
+    whole batch is built in `slots.views(slot)` and the item carries only the slot's number: nothing
+    but a few bytes crosses the DataLoader's result pipe, which every worker shares and the main
+    process reads between training steps. With slot None the batch goes into new tensors.
     """
 
     def __init__(self, store_root: str, plan: StepPlan, spec: PackSpec) -> None:
@@ -72,7 +70,7 @@ class StepDataset(Dataset):
         self.spec = spec
         self._store: FeatureStore | None = None  # opened lazily, once per worker process
         self._packs: tuple[int, list[list[int]]] | None = None  # (epoch, its packs), the latest epoch asked for
-        self.slots: list[torch.Tensor] | None = None
+        self.slots = None  # a train.feed.SlotRing while a feed runs
 
     @property
     def store(self) -> FeatureStore:
@@ -91,14 +89,31 @@ class StepDataset(Dataset):
         packs = self._packs[1][k * n : (k + 1) * n]
         if slot is None:
             return epoch, k, build_batch(self.store, packs, self.spec, self.plan.seed, epoch)
-        batch = build_batch(self.store, packs, self.spec, self.plan.seed, epoch, hidden=self.slots[slot])
-        del batch["context_hidden"]
-        return epoch, k, {**{key: value.numpy() for key, value in batch.items()}, "slot": slot}
+        build_batch(self.store, packs, self.spec, self.plan.seed, epoch, out=self.slots.views(slot))
+        return epoch, k, {"slot": slot}
+
+
+def batch_layout(spec: PackSpec, packs: int, hidden_width: int, hidden_dtype: torch.dtype,
+                 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every tensor of a batch of `packs` packs: fixed by the spec, so a feed can
+    allocate its slots before any batch exists."""
+    S, N, B = spec.pack_tokens, spec.num_blocks, spec.block_size
+    return {
+        "context_hidden": ((packs, S, hidden_width), hidden_dtype),
+        "context_doc": ((packs, S), torch.long),
+        "context_positions": ((packs, S), torch.long),
+        "block_ids": ((packs, N * B), torch.long),
+        "labels": ((packs, N * B), torch.long),
+        "block_positions": ((packs, N * B), torch.long),
+        "anchor_pos": ((packs, N), torch.long),
+        "block_doc": ((packs, N), torch.long),
+        "block_valid": ((packs, N), torch.bool),
+    }
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    """An uninitialised tensor; in shared memory when it will travel to the main process, so the
-    DataLoader sends a handle instead of copying it (as default_collate does for its batches)."""
+    """An uninitialised tensor; in shared memory when it will travel to the main process (the stock
+    DataLoader path, without slots), so the DataLoader sends a handle instead of copying it."""
     if not shared:
         return torch.empty(shape, dtype=dtype)
     proto = torch.empty(0, dtype=dtype)
@@ -106,14 +121,18 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Te
 
 
 def build_batch(store: FeatureStore, packs: list[list[int]], spec: PackSpec, seed: int, epoch: int,
-                hidden: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Packs stacked along a leading axis; hidden states are decoded straight into `hidden`
-    ([packs, S, W]; a new tensor if None)."""
-    if hidden is None:
+                out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Packs stacked along a leading axis, written into `out` (tensors of `batch_layout`; new ones if
+    None), hidden states decoded straight into `out["context_hidden"]`."""
+    if out is None:
         shared = get_worker_info() is not None
-        hidden = _empty((len(packs), spec.pack_tokens, store.hidden_width), store.hidden_dtype, shared)
-    parts = [build_pack(store, sample_ids, spec, seed, epoch, hidden[j]) for j, sample_ids in enumerate(packs)]
-    return {"context_hidden": hidden, **{key: torch.stack([p[key] for p in parts]) for key in parts[0]}}
+        layout = batch_layout(spec, len(packs), store.hidden_width, store.hidden_dtype)
+        out = {key: _empty(shape, dtype, shared) for key, (shape, dtype) in layout.items()}
+    for j, sample_ids in enumerate(packs):
+        part = build_pack(store, sample_ids, spec, seed, epoch, out["context_hidden"][j])
+        for key, value in part.items():
+            out[key][j] = value
+    return out
 
 
 def build_pack(store: FeatureStore, sample_ids: list[int], spec: PackSpec, seed: int, epoch: int,

@@ -3,10 +3,17 @@
 A 4096-token pack of an 8B target's states is ~168 MB. The stock path (a fresh shared-memory tensor
 per batch, then the main process's single pin-memory thread copying it into pinned memory, then the
 device copy) moves every byte three times on the main process and measured below the rate the GPU
-consumes. Here the main process allocates `slots` shared-memory hidden-state buffers once and, on
-CUDA, page-locks them (cudaHostRegister); workers decode straight into the slot their step was given
-and send back only the small arrays (as numpy, by value: see StepDataset), and the main process
-issues one DMA copy per batch.
+consumes. Here the main process allocates `slots` shared-memory buffers once, each holding a whole
+batch (hidden states and the small arrays, laid out by `SlotLayout`), and on CUDA page-locks them
+(cudaHostRegister). Workers build the batch straight into the slot their step was given and send
+back only the slot's number; the main process issues one DMA copy of the slot per batch and takes
+the batch's tensors as views of the copy.
+
+Nothing else crosses processes per batch because the hand-over was the limit: the main process
+reads every worker's results from one shared pipe, between training steps. Small arrays sent as
+shared-memory handles cost a socket handshake with the (busy) worker per tensor; sent by value they
+are ~165 KB per pack, more than a pipe holds, so each send takes several rounds between writer and
+reader, all under the pipe's one write lock.
 
 Slot reuse is safe by counting: the DataLoader keeps at most workers x prefetch steps dispatched
 beyond the one last handed out, so with two more slots than that, the slot a worker is given next was
@@ -23,27 +30,67 @@ from __future__ import annotations
 
 import mmap
 from collections import deque
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from dflash.shared.shard_io import decode_in_this_thread_only
-from dflash.train.dataset import StepDataset
+from dflash.train.dataset import StepDataset, batch_layout
 from dflash.train.step import to_device
+
+_ALIGN = 256  # byte alignment of each tensor in a slot (any dtype view is legal; CUDA likes 256)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each tensor of a batch lies in one flat byte buffer: (key, byte offset, shape, dtype)."""
+
+    fields: tuple[tuple[str, int, tuple[int, ...], torch.dtype], ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> SlotLayout:
+        fields, offset = [], 0
+        for key, (shape, dtype) in shapes.items():
+            fields.append((key, offset, tuple(shape), dtype))
+            offset += -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
+        return cls(tuple(fields), offset)
+
+    def carve(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch's tensors as views of `buffer` (uint8, `nbytes`, on any device)."""
+        return {key: buffer[offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
+                for key, offset, shape, dtype in self.fields}
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 class SlotRing:
-    """`count` shared-memory tensors of `shape`; page-locked for fast device copies if `pin`."""
+    """`count` shared-memory byte buffers of `layout.nbytes`; page-locked for fast device copies if `pin`.
+    Pickled (to spawned workers) as its layout and buffers: the page locks stay with the main process."""
 
-    def __init__(self, count: int, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> None:
-        self.buffers = [torch.empty(shape, dtype=dtype).share_memory_() for _ in range(count)]
+    def __init__(self, count: int, layout: SlotLayout, pin: bool) -> None:
+        self.layout = layout
+        self.buffers = [torch.empty(layout.nbytes, dtype=torch.uint8).share_memory_() for _ in range(count)]
         self._registered: list[torch.Tensor] = []
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
         if pin:
             cudart = torch.cuda.cudart()
             for buf in self.buffers:
-                _check(cudart.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0), "cudaHostRegister")
+                _check(cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0), "cudaHostRegister")
                 self._registered.append(buf)
+
+    def __getstate__(self) -> dict:
+        return {"layout": self.layout, "buffers": self.buffers, "_registered": [], "_views": {}}
+
+    def views(self, slot: int) -> dict[str, torch.Tensor]:
+        """The batch tensors of slot `slot`, writable in place."""
+        if slot not in self._views:
+            self._views[slot] = self.layout.carve(self.buffers[slot])
+        return self._views[slot]
 
     def close(self) -> None:
         """Unlock the pages; every copy out of them must have finished (the caller synchronizes)."""
@@ -63,13 +110,13 @@ def _start_worker(worker_id: int) -> None:
     oversubscribe), and this worker's own slots mapped into its page table before the first step."""
     decode_in_this_thread_only()
     info = get_worker_info()
-    slots = info.dataset.slots or []
-    for slot in slots[worker_id :: info.num_workers]:
-        map_pages(slot)
+    ring: SlotRing | None = info.dataset.slots
+    for buffer in (ring.buffers if ring else [])[worker_id :: info.num_workers]:
+        map_pages(buffer)
 
 
 def _as_sent(item):
-    """No conversion in the worker: the small arrays stay numpy, pickled by value (see StepDataset)."""
+    """No conversion in the worker: the item is the slot's number (and any extras, by value)."""
     return item
 
 
@@ -88,16 +135,17 @@ def slots_needed(workers: int, prefetch: int) -> int:
 def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: int, device: torch.device,
                    prefetch: int = 2) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
     """(epoch, k, batch on `device`) for each (epoch, k) of `steps`, in order, built by `workers`
-    processes (0: in this process). A yielded batch never shares memory with a slot."""
+    processes (0: in this process). A yielded batch never shares memory with a slot. Entries an item
+    carries besides its slot number (a dataset subclass's extras) join the batch as tensors."""
     if workers == 0:
         for epoch, k in steps:
             _, _, batch = dataset[(epoch, k, None)]
             yield epoch, k, to_device(batch, device)
         return
     count = slots_needed(workers, prefetch)
-    shape = (dataset.plan.packs_per_step, dataset.spec.pack_tokens, dataset.store.hidden_width)
-    ring = SlotRing(count, shape, dataset.store.hidden_dtype, pin=device.type == "cuda")
-    dataset.slots = ring.buffers
+    shapes = batch_layout(dataset.spec, dataset.plan.packs_per_step, dataset.store.hidden_width, dataset.store.hidden_dtype)
+    ring = SlotRing(count, SlotLayout.of(shapes), pin=device.type == "cuda")
+    dataset.slots = ring
     loader = DataLoader(dataset, batch_size=None, sampler=[(e, k, i % count) for i, (e, k) in enumerate(steps)],
                         num_workers=workers, prefetch_factor=prefetch, multiprocessing_context="spawn",
                         worker_init_fn=_start_worker, collate_fn=_as_sent)
@@ -109,17 +157,14 @@ def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: 
             if len(copies) == 2:
                 copies.popleft().synchronize()  # two batches back: the slot the next fetch may hand out
             try:
-                epoch, k, batch = next(it)
+                epoch, k, item = next(it)
             except StopIteration:
                 return
-            slot = batch.pop("slot")
-            batch = {key: torch.as_tensor(value) for key, value in batch.items()}
-            batch["context_hidden"] = ring.buffers[slot]
+            extras = {key: torch.as_tensor(value) for key, value in item.items() if key != "slot"}
             if copy_stream is None:
-                batch = to_device(batch, device)
-                batch["context_hidden"] = batch["context_hidden"].clone()
+                batch = {**ring.layout.carve(ring.buffers[item["slot"]].clone()), **extras}
             else:
-                batch, done = _copy_on(copy_stream, batch, device)
+                batch, done = _copy_on(copy_stream, ring, item["slot"], extras, device)
                 copies.append(done)
             yield epoch, k, batch
     finally:
@@ -130,18 +175,19 @@ def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: 
         ring.close()
 
 
-def _copy_on(stream: torch.cuda.Stream, batch: dict[str, torch.Tensor], device: torch.device,
-             ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
-    """The batch copied to `device` on `stream`, so the DMA overlaps the step running on the current
-    stream instead of queueing behind it; the current stream waits for it on the GPU (the host does
-    not), and the copies are marked as used there, so the caching allocator reuses their memory only
-    after the step that read them."""
+def _copy_on(stream: torch.cuda.Stream, ring: SlotRing, slot: int, extras: dict[str, torch.Tensor],
+             device: torch.device) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+    """The slot copied to `device` in one DMA on `stream` (so it overlaps the step running on the
+    current stream instead of queueing behind it), as the batch's views of the copy plus `extras`;
+    the current stream waits for it on the GPU (the host does not), and the copies are marked as used
+    there, so the caching allocator reuses their memory only after the step that read them."""
     consumer = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
-        batch = to_device(batch, device)
+        flat = ring.buffers[slot].to(device, non_blocking=True)
+        extras = to_device(extras, device)
         done = torch.cuda.Event()
         done.record(stream)
     consumer.wait_stream(stream)
-    for tensor in batch.values():
+    for tensor in (flat, *extras.values()):
         tensor.record_stream(consumer)
-    return batch, done
+    return {**ring.layout.carve(flat), **extras}, done

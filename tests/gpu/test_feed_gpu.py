@@ -35,7 +35,7 @@ def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(tiny_
     device = torch.device("cuda")
     got = []
     for epoch, k, batch in device_batches(dataset, schedule, workers, device, prefetch=prefetch):
-        assert all(dataset.slots[i].is_pinned() for i in range(len(dataset.slots)))
+        assert all(buffer.is_pinned() for buffer in dataset.slots.buffers)
         torch.cuda._sleep(20_000_000)  # ~10 ms of "step" queued on the current stream
         got.append((epoch, k, batch))
     assert [(e, k) for e, k, _ in got] == schedule and dataset.slots is None
