@@ -12,8 +12,9 @@ the batch's tensors as views of the copy.
 Nothing else crosses processes per batch because the hand-over was the limit: the main process
 reads every worker's results from one shared pipe, between training steps. Small arrays sent as
 shared-memory handles cost a socket handshake with the (busy) worker per tensor; sent by value they
-are ~165 KB per pack, more than a pipe holds, so each send takes several rounds between writer and
-reader, all under the pipe's one write lock.
+are ~165 KB per pack, more than a pipe holds, so each send takes several rounds between a worker and
+the main process under the pipe's one write lock (on the H200 host, bench/RESULTS.md: 1.07-1.16x
+fewer packs/s than with the slot's number alone).
 
 Slot reuse is safe by counting: the DataLoader keeps at most workers x prefetch steps dispatched
 beyond the one last handed out, so with two more slots than that, the slot a worker is given next was
