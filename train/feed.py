@@ -85,7 +85,7 @@ class SlotRing:
                 self._registered.append(buf)
 
     def __getstate__(self) -> dict:
-        return {"layout": self.layout, "buffers": self.buffers, "_registered": [], "_views": {}}
+        return {**self.__dict__, "_registered": [], "_views": {}}
 
     def views(self, slot: int) -> dict[str, torch.Tensor]:
         """The batch tensors of slot `slot`, writable in place."""
