@@ -3,11 +3,11 @@
 # GPU smoke run of the three CLIs on a tiny target. Every step runs even if an earlier one failed;
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
 # .carry/wheels, or in .carry_a/wheels / .carry_b/wheels (a superset: bench/carry_assets.py).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract smoke stash_a quality
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` (joins, checks the sha256, runs the
-# bench). QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS ("--steps 1000 ...") append flags to those steps;
+# bench). QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS ("--steps 1000 ...") append flags to those steps;
 # GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py).
 set -u
 OUT=${OUT:?set OUT to a results folder}
@@ -39,6 +39,8 @@ for s in $steps; do
     tests) step tests 300 python3 -m pytest ${GPU_TESTS:-tests/gpu tests/test_speculative.py} -m gpu -q -s -p no:cacheprovider ;;
     train) step bench_train 420 python3 -m bench.train --scratch /tmp/bench_train --json "$OUT/train.json" ${TRAIN_ARGS:-} ;;
     store_io) step bench_store_io 120 python3 -m bench.store_io --scratch /tmp/bench_store_io --json "$OUT/store_io.json" ;;
+    decode_attention) step bench_decode_attention 180 python3 -m bench.decode_attention --json "$OUT/decode_attention.json" ;;
+    regenerate) step bench_regenerate 500 python3 -m bench.regenerate --json "$OUT/regenerate.json" ${REGEN_ARGS:-} ;;
     extract) step bench_extract 480 python3 -m bench.extract --out-dir /tmp/bench_extract --json "$OUT/extract.json" --samples 480 ${EXTRACT_ARGS:-} ;;
     smoke) step smoke 240 bash -c '
       set -e; d=/tmp/smoke; rm -rf $d
@@ -62,7 +64,7 @@ for s in $steps; do
       rm -rf /tmp/quality
       python3 -m bench.quality --device cuda --gguf $d/$name --prompts .carry_b/smollm2 --out /tmp/quality \
         --json '"$OUT"'/quality.json --train-prompts 6000 --eval-prompts 16 --max-new-tokens 256 \
-        --eval-max-new-tokens 128 --gen-batch-size 256 --steps 2000 --num-layers 2 --block-size 16 \
+        --eval-max-new-tokens 128 --steps 2000 --num-layers 2 --block-size 16 \
         --pack-tokens 4096 --num-blocks 256 --loader-workers 8 '"${QUALITY_ARGS:-}"'' ;;
     *) echo "unknown step $s"; status=1 ;;
   esac

@@ -80,7 +80,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128, help="regenerated reply length")
     ap.add_argument("--eval-max-new-tokens", type=int, default=None,
                     help="evaluation length (default: --max-new-tokens); evaluation decodes one prompt at a time")
-    ap.add_argument("--gen-batch-size", type=int, default=32, help="prompts per generate call of --regenerate")
+    ap.add_argument("--gen-batch-size", type=int, default=None,
+                    help="requests --regenerate decodes together [default: dflash-extract's]")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--epochs", type=int, default=6, help="cap on passes over the store (--steps stops earlier)")
     ap.add_argument("--num-layers", type=int, default=1)
@@ -113,7 +114,8 @@ def main() -> None:
     run_step("extract", [
         *cli, "dflash.extract.cli", "--target", str(target), "--data", str(train_prompts), "--out", str(out / "store"),
         "--limit", str(args.train_prompts), "--regenerate", "--skip-bad", "--max-new-tokens", str(args.max_new_tokens),
-        "--gen-batch-size", str(args.gen_batch_size), "--max-length", "1024", *where, *dtype])
+        *(["--gen-batch-size", str(args.gen_batch_size)] if args.gen_batch_size else []),
+        "--max-length", "1024", *where, *dtype])
     t1 = time.perf_counter()
     train_where = ["--device", "cpu", "--workers", str(args.train_workers)] if args.device == "cpu" else where
     run_step("train", [

@@ -33,8 +33,10 @@ class TokenizedSample:
     truncated: bool
 
 
-def tokenize_record(record: Record, tokenizer: Any, max_length: int | None) -> TokenizedSample:
-    """Tokenize one record (see module doc); raises `DataError` for a sample with no loss token."""
+def tokenize_record(record: Record, tokenizer: Any, max_length: int | None, *,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> TokenizedSample:
+    """Tokenize one record (see module doc), rendering conversations with the template options
+    `chat_template_kwargs`; raises `DataError` for a sample with no loss token."""
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
     if not getattr(tokenizer, "is_fast", False):
@@ -42,7 +44,8 @@ def tokenize_record(record: Record, tokenizer: Any, max_length: int | None) -> T
     if record.messages is not None:
         if not tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template; conversations cannot be rendered")
-        text, spans = render_with_reply_spans(tokenizer, record.messages, record.source)
+        text, spans = render_with_reply_spans(tokenizer, record.messages, record.source,
+                                             template_kwargs=chat_template_kwargs)
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(encoding["input_ids"], dtype=np.int32)
         mask = _span_mask(np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2), spans)
@@ -70,12 +73,13 @@ def _span_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
 
 
 def tokenize_records(records: Iterable[Record], tokenizer: Any, max_length: int | None, *,
-                     skip_bad: bool = False, stats: ReadStats | None = None) -> Iterator[TokenizedSample]:
+                     skip_bad: bool = False, stats: ReadStats | None = None,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> Iterator[TokenizedSample]:
     """`tokenize_record` over a stream, counting samples and truncations, skipping bad ones if asked."""
     stats = stats if stats is not None else ReadStats()
     for record in records:
         try:
-            sample = tokenize_record(record, tokenizer, max_length)
+            sample = tokenize_record(record, tokenizer, max_length, chat_template_kwargs=chat_template_kwargs)
         except DataError as e:
             if not skip_bad:
                 raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -18,6 +19,26 @@ def _int_list(value: str | None) -> tuple[int, ...]:
         raise click.BadParameter(f"{value!r}: expected comma-separated integers") from exc
 
 
+class JsonObject(click.ParamType):
+    """A JSON object: text from the command line or a TOML string, or a TOML table from --config."""
+
+    name = "JSON"
+
+    def convert(self, value, param, ctx) -> dict:
+        parsed = value
+        if isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as exc:
+                self.fail(f"expected a JSON object, got {value!r} ({exc})", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail(f"expected a JSON object, got {value!r}", param, ctx)
+        try:
+            return json.loads(json.dumps(parsed))  # as the manifest stores them
+        except TypeError as exc:  # a TOML table may hold dates
+            self.fail(f"expected a JSON object, got {value!r} ({exc})", param, ctx)
+
+
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @config_option("extract")
 @click.option("--target", required=True, help="HF model folder (or a folder with one .gguf) of the frozen target.")
@@ -30,6 +51,8 @@ def _int_list(value: str | None) -> tuple[int, ...]:
 @click.option("--max-batch-size", default=64, type=click.IntRange(1), help="Samples per forward batch at most.")
 @click.option("--skip-bad", is_flag=True, help="Skip and count malformed records instead of failing.")
 @click.option("--limit", default=None, type=click.IntRange(1), help="Use only the first N records.")
+@click.option("--chat-template-kwargs", default=None, type=JsonObject(),
+              help='Options of the chat template, e.g. \'{"enable_thinking": false}\' for Qwen3.')
 @click.option("--gpus", default=None, help="GPU ids, one process each [default: 5 if available, else all].")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", help="cpu for runs without GPUs.")
 @click.option("--workers", default=1, type=click.IntRange(1), help="Processes with --device cpu.")
@@ -48,29 +71,37 @@ def _int_list(value: str | None) -> tuple[int, ...]:
 @click.option("--max-new-tokens", default=512, type=click.IntRange(1), help="--regenerate: reply length limit.")
 @click.option("--temperature", default=0.0, type=click.FloatRange(0), help="--regenerate: 0 = greedy, else sampled.")
 @click.option("--top-p", default=1.0, type=click.FloatRange(0, 1, min_open=True), help="--regenerate: nucleus sampling.")
+@click.option("--top-k", default=0, type=click.IntRange(0), help="--regenerate: sample among the k likeliest tokens (0: all).")
 @click.option("--seed", default=0, type=int, help="--regenerate: sampling seed.")
-@click.option("--gen-batch-size", default=32, type=click.IntRange(1), help="--regenerate: prompts per generate call.")
+@click.option("--samples-per-prompt", default=1, type=click.IntRange(1),
+              help="--regenerate: replies per conversation, each stored as its own sample (needs --temperature > 0).")
+@click.option("--gen-batch-size", default=None, type=click.IntRange(1),
+              help="--regenerate: requests decoded together (continuous batching) [default: 512 on GPU, 16 on CPU].")
 def main(**opts) -> None:
     """Run the frozen target over the data and store the drafter's training features."""
     from dflash.data import DataError
     from dflash.extract.config import ExtractConfig
-    from dflash.extract.run import ExtractError, run_extraction
+    from dflash.extract.run import run_extraction
     from dflash.extract.target import TargetError
+    from dflash.shared.launch import UserError
     from dflash.shared.manifest import StoreIncomplete, StoreMismatch
 
     from dflash.extract.regenerate import RegenerateSettings
 
-    generation = RegenerateSettings(
-        max_new_tokens=opts.pop("max_new_tokens"), temperature=opts.pop("temperature"),
-        top_p=opts.pop("top_p"), seed=opts.pop("seed"), batch_size=opts.pop("gen_batch_size"),
-    )
+    try:
+        generation = RegenerateSettings(
+            max_new_tokens=opts.pop("max_new_tokens"), temperature=opts.pop("temperature"), top_p=opts.pop("top_p"),
+            top_k=opts.pop("top_k"), seed=opts.pop("seed"), samples_per_prompt=opts.pop("samples_per_prompt"),
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     opts["regenerate"] = generation.to_dict() if opts.pop("regenerate") else None
     gpus = _int_list(opts.pop("gpus"))
     opts["data"] = tuple(opts["data"])
     cfg = ExtractConfig(gpus=gpus, **opts)
     try:
         summary = run_extraction(cfg)
-    except (DataError, TargetError, ExtractError, StoreMismatch, StoreIncomplete) as exc:
+    except (DataError, TargetError, UserError, StoreMismatch, StoreIncomplete) as exc:
         click.echo(f"dflash-extract: error: {exc}", err=True)
         sys.exit(1)
     if summary is not None:

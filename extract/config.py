@@ -27,7 +27,9 @@ class ExtractConfig:
     shard_tokens: int | None = None
     write_streams: int | None = None  # shard files written at once per rank; None: the store's default
     overwrite: bool = False
-    regenerate: dict | None = field(default=None)  # reply regeneration settings (issue 3)
+    regenerate: dict | None = field(default=None)  # RegenerateSettings.to_dict() of --regenerate
+    gen_batch_size: int | None = None  # --regenerate: requests decoded together; None: 512 on GPU, 16 on CPU
+    chat_template_kwargs: dict | None = None  # options of the chat template, e.g. {"enable_thinking": False}
 
     @property
     def compiled(self) -> bool:
@@ -44,6 +46,7 @@ class ExtractConfig:
             "skip_bad": self.skip_bad,
             "limit": self.limit,
             "regenerate": self.regenerate,
+            "chat_template_kwargs": self.chat_template_kwargs,
         }
 
     def to_dict(self) -> dict:

@@ -2,51 +2,64 @@
 
 A drafter learns to predict what the target writes, so it trains best on the target's own replies
 rather than the dataset's (written by another model or a person). Each rank regenerates the
-conversations it owns, turn by turn (reply k is generated after the earlier turns already hold the
-target's replies), in length-sorted, left-padded batches on its own device.
+conversations it owns with one continuous-batching engine (`dflash.shared.generation`): every
+conversation is a chain of requests, turn by turn (reply k is asked for once reply k-1 is in its
+history), and all chains share the engine's batch, so a long conversation never holds up others.
 
-Crash safety: finished conversations are appended to ``ROOT/regenerated/rank-XXXXX.jsonl`` one group
-at a time (flush + fsync; a torn last line is ignored), so a rerun reuses them and generates only the
-rest. Each batch's sampling seed derives from the run seed and the group, turn and batch number, so
-the groups that are regenerated after a crash get the replies an uninterrupted run would have.
+With `samples_per_prompt` N > 1 every conversation yields N samples (sample indices `index*N + s`),
+all starting with the same prompt, so the held-out split's prompt groups keep them together.
+
+Reproducible by construction: a sampled reply depends only on (seed, conversation index, turn,
+sample) through its request key, not on batch composition, batch size or worker count.
+
+Crash safety: each finished conversation is appended to ``ROOT/regenerated/rank-XXXXX.jsonl`` at once
+and fsynced within `FSYNC_INTERVAL_S` (a torn last line is ignored), so a rerun reuses them and
+generates only the rest.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-import torch
-from transformers import GenerationConfig
-
-from dflash.data.chat import stop_token_ids
+from dflash.data.chat import generation_prompt_ids, stop_token_ids
 from dflash.data.records import Record
+from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
+from dflash.shared.generation.sampling import SamplingParams, request_key
 from dflash.shared.progress import progress_bar
 
 REGENERATED_DIR = "regenerated"
+FSYNC_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
 class RegenerateSettings:
-    """How replies are generated; recorded in the manifest."""
+    """What decides the replies; recorded in the manifest and the data fingerprint. How fast they are
+    made (the engine's batch size) is not among them: it does not change a reply."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
     seed: int = 0
-    batch_size: int = 32
-    group_size: int = 256  # conversations per durable commit
+    samples_per_prompt: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.batch_size < 1 or self.group_size < 1:
-            raise ValueError("regenerate: max_new_tokens, batch_size and group_size must be positive")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("regenerate: temperature must be >= 0 and top_p in (0, 1]")
+        if self.max_new_tokens < 1 or self.samples_per_prompt < 1:
+            raise ValueError("regenerate: max_new_tokens and samples_per_prompt must be positive")
+        self.sampling  # validates temperature, top_p, top_k
+        if self.samples_per_prompt > 1 and self.temperature == 0:
+            raise ValueError("regenerate: --samples-per-prompt > 1 needs --temperature > 0 "
+                             "(greedy replies to one prompt are all the same)")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
 
     def to_dict(self) -> dict:
         return {"method": "greedy" if self.temperature == 0 else "sampled", **asdict(self)}
@@ -58,7 +71,9 @@ class RegenerateSettings:
 
 @dataclass
 class RegenerateStats:
-    conversations: int = 0  # conversations with at least one regenerated reply
+    """Counts of one rank's regeneration (deterministic: they go into the manifest)."""
+
+    conversations: int = 0  # samples with at least one regenerated reply
     replies: int = 0
     generated_tokens: int = 0
     unfinished: int = 0  # replies stopped by max_new_tokens, not by an end-of-turn token
@@ -70,12 +85,20 @@ class RegenerateStats:
         return dict(self.__dict__)
 
 
+@dataclass
+class GenerationTiming:
+    """What this invocation generated and how long it took (not in the manifest: it varies by run)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+
 def cache_path(root: Path, rank: int) -> Path:
     return Path(root) / REGENERATED_DIR / f"rank-{rank:05d}.jsonl"
 
 
 def read_cache(path: Path) -> dict[int, dict]:
-    """Committed lines of an earlier run: index -> entry. A torn last line (crash mid-write) is dropped."""
+    """Committed lines of an earlier run: sample index -> entry. A torn last line (crash mid-write) is dropped."""
     entries: dict[int, dict] = {}
     if not path.exists():
         return entries
@@ -99,74 +122,19 @@ def truncate_torn_tail(path: Path) -> None:
             f.truncate(keep)
 
 
-def regenerate_records(
-    records: list[Record],
-    load_model: Callable[[], Any],
-    tokenizer: Any,
-    settings: RegenerateSettings,
-    *,
-    max_length: int,
-    cache: Path,
-    rank: int = 0,
-) -> tuple[list[Record], RegenerateStats]:
-    """`records` with their assistant replies generated by the target (see module doc).
-
-    `load_model` is called only if some group is not in the cache yet (a finished rank reruns free).
-    """
-    stats = RegenerateStats()
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    done = read_cache(cache)
-    truncate_torn_tail(cache)
-    generator: ReplyGenerator | None = None
-    out: list[Record] = []
-    groups = list(_chunks(records, settings.group_size))
-    bar = progress_bar(total=len(records), unit="conv", desc=f"regenerate rank {rank}", disable=rank != 0)
-    with open(cache, "a", encoding="utf-8") as sink:
-        for group_no, group in enumerate(groups):
-            if all(r.index in done for r in group):
-                entries = [done[r.index] for r in group]
-                stats.reused += len(group)
-            else:
-                generator = generator or ReplyGenerator(load_model(), tokenizer, settings)
-                entries = regenerate_group(group, generator, max_length, group_no)
-                sink.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
-                sink.flush()
-                os.fsync(sink.fileno())
-            for record, entry in zip(group, entries):
-                out.append(_record_of(record, entry))
-                _count(stats, entry)
-            bar.update(len(group))
-    bar.close()
-    return out, stats
-
-
-def _chunks(items: list, size: int) -> Iterator[list]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def _record_of(record: Record, entry: dict) -> Record:
-    if entry["messages"] is None:
-        return record
-    return Record(record.index, f"{record.source} (regenerated)", messages=entry["messages"])
-
-
-def _count(stats: RegenerateStats, entry: dict) -> None:
-    if entry["messages"] is None:
-        stats.kept += 1
-        return
-    stats.conversations += 1
-    stats.replies += len(entry["reply_tokens"])
-    stats.generated_tokens += sum(entry["reply_tokens"])
-    stats.unfinished += entry["unfinished"]
-    stats.cut += int(entry["cut"])
+def sample_index(record_index: int, sample: int, samples_per_prompt: int) -> int:
+    """The store's sample index of reply sample `sample` of input record `record_index`."""
+    return record_index * samples_per_prompt + sample
 
 
 @dataclass
 class _Conversation:
-    """One conversation being rebuilt: the original turns and the new ones so far."""
+    """One sample being rebuilt: the original turns and the new ones so far."""
 
     record: Record
+    input_index: int  # the record's index in the input (the conversation part of its sampling keys)
+    sample: int
+    index: int  # the sample's index in the store
     new: list[dict] = field(default_factory=list)
     next_turn: int = 0
     reply_tokens: list[int] = field(default_factory=list)
@@ -184,99 +152,159 @@ class _Conversation:
             self.next_turn += 1
         return False
 
-
-def regenerate_group(group: list[Record], generator: ReplyGenerator, max_length: int, group_no: int) -> list[dict]:
-    """Cache entries for one group: every reply regenerated, turn by turn across the group."""
-    convs = [_Conversation(r) for r in group if r.messages is not None]
-    active = [c for c in convs if c.advance_to_reply()]
-    turn = 0
-    while active:
-        prompts = [generator.prompt_ids(c.new) for c in active]
-        fits = [len(p) < max_length for p in prompts]
-        for c, ok in zip(active, fits):
-            if not ok:
-                c.cut = True
-        active_prompts = [(c, p) for c, p, ok in zip(active, prompts, fits) if ok]
-        replies = generator.generate([p for _, p in active_prompts], seed_parts=(group_no, turn))
-        for (c, _), (text, n_tokens, finished) in zip(active_prompts, replies):
-            c.new.append({"role": "assistant", "content": text})
-            c.next_turn += 1
-            c.reply_tokens.append(n_tokens)
-            c.unfinished += int(not finished)
-        active = [c for c, _ in active_prompts if c.advance_to_reply()]
-        turn += 1
-    by_index = {c.record.index: c for c in convs}
-    return [_entry(r, by_index.get(r.index)) for r in group]
+    def entry(self) -> dict:
+        if not self.reply_tokens:
+            return {"index": self.index, "messages": None}
+        messages = self.new
+        if self.cut:  # end on the last regenerated reply, not on a prompt that was never answered
+            while messages[-1]["role"] != "assistant":
+                messages = messages[:-1]
+        return {"index": self.index, "messages": messages, "reply_tokens": self.reply_tokens,
+                "unfinished": self.unfinished, "cut": self.cut}
 
 
-def _entry(record: Record, conv: _Conversation | None) -> dict:
-    if conv is None or not conv.reply_tokens:
-        return {"index": record.index, "messages": None}
-    messages = conv.new
-    if conv.cut:  # end on the last regenerated reply, not on a prompt that was never answered
-        while messages[-1]["role"] != "assistant":
-            messages = messages[:-1]
-    return {"index": record.index, "messages": messages, "reply_tokens": conv.reply_tokens,
-            "unfinished": conv.unfinished, "cut": conv.cut}
+class _CacheSink:
+    """Appends finished entries to the rank's cache file. Each line goes to the OS at once (a killed
+    process loses nothing written); fsync, for a crash of the machine, at most every FSYNC_INTERVAL_S
+    and at the end."""
+
+    def __init__(self, file: IO[str]):
+        self.file = file
+        self.synced = time.monotonic()
+
+    def write(self, entry: dict) -> None:
+        self.file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self.file.flush()
+        if time.monotonic() - self.synced >= FSYNC_INTERVAL_S:
+            self.sync()
+
+    def sync(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.synced = time.monotonic()
 
 
-class ReplyGenerator:
-    """Batched `generate` of the target: length-sorted, left-padded, stopping at end of turn."""
+class _Regenerator:
+    """Feeds every conversation's turns through one engine, writing each conversation when its last reply is in."""
 
-    def __init__(self, model: Any, tokenizer: Any, settings: RegenerateSettings):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.settings = settings
-        self.stop_ids = sorted(stop_token_ids(tokenizer, model.generation_config.eos_token_id))
-        if not self.stop_ids:
-            raise ValueError("regenerate: the tokenizer has no EOS or end-of-turn token; replies would never stop")
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        sampled = settings.temperature > 0
-        self.config = GenerationConfig(
-            max_new_tokens=settings.max_new_tokens,
-            do_sample=sampled,
-            temperature=settings.temperature if sampled else None,
-            top_p=settings.top_p if sampled else None,
-            top_k=None,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_id,
-        )
+    def __init__(self, engine: GenerationEngine, tokenizer: Any, settings: RegenerateSettings, max_length: int,
+                 template_kwargs: dict | None, sink: _CacheSink):
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.max_length, self.template_kwargs, self.sink = max_length, template_kwargs, sink
+        self.convs: dict[int, _Conversation] = {}
+        self.done: dict[int, dict] = {}
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    def start(self, conv: _Conversation) -> None:
+        self.convs[conv.index] = conv
+        self._ask_or_finish(conv)
 
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], seed_parts: tuple[int, ...]) -> list[tuple[str, int, bool]]:
-        """(reply text, generated tokens, ended by a stop token) for each prompt, in order."""
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        results: list[tuple[str, int, bool]] = [("", 0, False)] * len(prompts)
-        device = next(self.model.parameters()).device
-        size = self.settings.batch_size
-        for batch_no, start in enumerate(range(0, len(order), size)):
-            chosen = order[start : start + size]
-            width = max(len(prompts[i]) for i in chosen)
-            ids = torch.full((len(chosen), width), self.pad_id, dtype=torch.long)
-            attention = torch.zeros((len(chosen), width), dtype=torch.long)
-            for row, i in enumerate(chosen):
-                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-                attention[row, width - len(prompts[i]) :] = 1
-            torch.manual_seed(batch_seed(self.settings.seed, *seed_parts, batch_no))
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
-                                      generation_config=self.config)
-            for row, i in enumerate(chosen):
-                results[i] = self._reply(out[row, width:].tolist())
-        return results
+    def _ask_or_finish(self, conv: _Conversation) -> None:
+        if conv.advance_to_reply():
+            prompt = generation_prompt_ids(self.tokenizer, conv.new, template_kwargs=self.template_kwargs,
+                                           source=conv.record.source)
+            if len(prompt) < self.max_length:
+                turn = len(conv.reply_tokens)
+                key = request_key(self.settings.seed, conv.input_index, turn, conv.sample)
+                self.engine.add(conv.index, Request(prompt, self.settings.max_new_tokens, key))
+                return
+            conv.cut = True
+        entry = conv.entry()
+        del self.convs[conv.index]
+        self.done[conv.index] = entry
+        self.sink.write(entry)
 
-    def _reply(self, tokens: list[int]) -> tuple[str, int, bool]:
-        stops = set(self.stop_ids)
-        end = next((k for k, t in enumerate(tokens) if t in stops), None)
-        body = tokens if end is None else tokens[:end]
-        text = self.tokenizer.decode(body, skip_special_tokens=True)
-        return text, len(body) + (end is not None), end is not None
+    def accept(self, index: int, tokens: list[int], finished: bool) -> None:
+        conv = self.convs[index]
+        body = tokens[:-1] if finished else tokens
+        conv.new.append({"role": "assistant", "content": self.tokenizer.decode(body, skip_special_tokens=True)})
+        conv.next_turn += 1
+        conv.reply_tokens.append(len(tokens))
+        conv.unfinished += int(not finished)
+        self._ask_or_finish(conv)
 
 
-def batch_seed(*parts: int) -> int:
-    """A stable 63-bit seed from integers (the same in every process and run)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+def regenerate_records(
+    records: list[tuple[int, Record]],
+    load_model: Callable[[], Any],
+    tokenizer: Any,
+    settings: RegenerateSettings,
+    *,
+    max_length: int,
+    cache: Path,
+    rank: int = 0,
+    engine: EngineSettings | None = None,
+    template_kwargs: dict | None = None,
+) -> tuple[list[tuple[int, Record]], RegenerateStats, GenerationTiming]:
+    """(sample index, record) for every sample of the (input index, record) pairs `records`
+    (`samples_per_prompt` per conversation), the assistant replies generated by the target (see
+    module doc). `load_model` is called only if some conversation is not in the cache yet (a
+    finished rank reruns free)."""
+    n = settings.samples_per_prompt
+    stats = RegenerateStats()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    done = read_cache(cache)
+    truncate_torn_tail(cache)
+    samples = [(i, r, s, sample_index(i, s, n)) for i, r in records if r.messages is not None for s in range(n)]
+    todo = [_Conversation(r, i, s, index) for i, r, s, index in samples if index not in done]
+    stats.reused = len(samples) - len(todo)
+    timing = GenerationTiming()
+    if todo:
+        done.update(_generate(todo, load_model(), tokenizer, settings, max_length, cache, rank, engine,
+                              template_kwargs, timing))
+    out: list[tuple[int, Record]] = []
+    for i, record in records:
+        if record.messages is None:
+            out.append((sample_index(i, 0, n), record))
+            stats.kept += 1
+            continue
+        for s in range(n):
+            index = sample_index(i, s, n)
+            entry = done[index]
+            out.append((index, record if entry["messages"] is None else
+                        Record(record.index, f"{record.source} (regenerated)", messages=entry["messages"])))
+            _count(stats, entry)
+    return out, stats, timing
+
+
+def _generate(todo: list[_Conversation], model: Any, tokenizer: Any, settings: RegenerateSettings, max_length: int,
+              cache: Path, rank: int, engine_settings: EngineSettings | None, template_kwargs: dict | None,
+              timing: GenerationTiming) -> dict[int, dict]:
+    stops = stop_token_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None))
+    if not stops:
+        raise ValueError("regenerate: the tokenizer has no EOS or end-of-turn token; replies would never stop")
+    base = engine_settings or EngineSettings()
+    capacity = max_length + settings.max_new_tokens
+    engine = GenerationEngine(model, stop_ids=stops, sampling=settings.sampling,
+                              settings=EngineSettings(**{**asdict(base), "max_request_tokens": capacity}))
+    bar = progress_bar(total=len(todo), unit="conv", desc=f"regenerate rank {rank}", disable=rank != 0)
+    started = time.perf_counter()
+    with open(cache, "a", encoding="utf-8") as file:
+        sink = _CacheSink(file)
+        regenerator = _Regenerator(engine, tokenizer, settings, max_length, template_kwargs, sink)
+        for conv in todo:
+            regenerator.start(conv)
+        finished_before = len(regenerator.done)
+        bar.update(finished_before)
+        while engine.pending:
+            for index, reply in engine.step():
+                regenerator.accept(index, reply.tokens, reply.finished)
+            bar.update(len(regenerator.done) - finished_before)
+            finished_before = len(regenerator.done)
+            seconds = time.perf_counter() - started
+            bar.set_postfix_str(f"{engine.stats['generated_tokens'] / max(seconds, 1e-9):,.0f} tok/s, "
+                                f"{engine.stats['requests']} replies, {engine.running} running", refresh=False)
+        sink.sync()
+    bar.close()
+    timing.tokens, timing.seconds = engine.stats["generated_tokens"], time.perf_counter() - started
+    return regenerator.done
+
+
+def _count(stats: RegenerateStats, entry: dict) -> None:
+    if entry["messages"] is None:
+        stats.kept += 1
+        return
+    stats.conversations += 1
+    stats.replies += len(entry["reply_tokens"])
+    stats.generated_tokens += sum(entry["reply_tokens"])
+    stats.unfinished += entry["unfinished"]
+    stats.cut += int(entry["cut"])

@@ -49,6 +49,8 @@ class RankSummary:
     computed_tokens: int = 0  # tokens run through the target in this invocation
     writer_wait_s: float = 0.0  # forward stalled on a full write queue (storage slower than the GPU)
     regenerated: dict | None = None  # RegenerateStats of --regenerate
+    generated_tokens: int = 0  # --regenerate: tokens generated in this invocation
+    generate_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -82,10 +84,12 @@ def load_owned_samples(
 
 
 def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, device: torch.device, summary: RankSummary) -> list:
-    """The owned records with the target's own replies (`--regenerate`); the full target is loaded
-    only while generating and freed before extraction loads its truncated copy."""
+    """The owned records' samples with the target's own replies (`--regenerate`), as (sample index,
+    record); the full target is loaded only while generating and freed before extraction loads its
+    truncated copy."""
     from dflash.extract.regenerate import RegenerateSettings, cache_path, regenerate_records
     from dflash.extract.target import load_full_target
+    from dflash.shared.generation.engine import EngineSettings
 
     loaded = []
 
@@ -94,20 +98,23 @@ def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, de
         return loaded[-1]
 
     settings = RegenerateSettings.from_dict(cfg.regenerate)
-    regenerated, stats = regenerate_records([r for _, r in records], load_model, tokenizer, settings,
-                                            max_length=cfg.max_length, cache=cache_path(Path(cfg.out), rank), rank=rank)
+    engine = EngineSettings(max_batch=cfg.gen_batch_size or (512 if device.type == "cuda" else 16))
+    regenerated, stats, timing = regenerate_records(
+        records, load_model, tokenizer, settings, max_length=cfg.max_length,
+        cache=cache_path(Path(cfg.out), rank), rank=rank, engine=engine, template_kwargs=cfg.chat_template_kwargs)
     summary.regenerated = stats.to_dict()
+    summary.generated_tokens, summary.generate_seconds = timing.tokens, timing.seconds
     loaded.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return [(index, record) for (index, _), record in zip(records, regenerated)]
+    return regenerated
 
 
 def tokenize_one(record, tokenizer, cfg: ExtractConfig, index: int, summary: RankSummary):
     from dflash.data import DataError
 
     try:
-        sample = tokenize_record(record, tokenizer, cfg.max_length)
+        sample = tokenize_record(record, tokenizer, cfg.max_length, chat_template_kwargs=cfg.chat_template_kwargs)
     except DataError as exc:
         if not cfg.skip_bad:
             raise

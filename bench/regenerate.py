@@ -1,0 +1,594 @@
+"""Reply regeneration throughput on one GPU: the continuous-batching engine against HF `generate`, same run.
+
+`dflash-extract --regenerate` rewrites every assistant reply with the target's own. Contenders:
+- engine: `dflash.shared.generation` (continuous batching, paged KV cache, CUDA-graph decode) at
+  `--batch` concurrent requests (repeatable), greedy (and temperature 1 / top-p 0.95 with `--sampled`);
+- HF: the previous path, `model.generate` on static, prompt-length-sorted, left-padded batches
+  (`--baseline-batch`, repeatable: 32, the old default, and 256), greedy. It is slow, so it runs on the
+  first `--baseline-requests` requests with replies capped at `--baseline-max-new-tokens`; its rate
+  is the comparison (the cap shortens its contexts, which flatters it slightly).
+Workload (seeded): random prompt ids (no special ids), prompt lengths in [64, 1024] with mean ~300,
+reply lengths in [1, 1024] with mean ~500, both clipped log-normals. A request's drawn reply length is
+its `max_new_tokens` and nothing stops it earlier (engine: no stop ids; HF: a logits processor bans
+the eos id before the drawn length and forces it there), so requests end unevenly, like chat replies,
+and every contender generates exactly the drawn tokens. Rates count those useful tokens per wall
+second (prefill included) after a short warm-up call.
+Physical bound, measured in the same run: device-to-device copy bandwidth (bytes read + written). A
+decode step at batch B reads the weights once (the input embedding table excluded: only B rows of it
+are gathered) and each row's KV cache: bound tok/s = B / ((weights + B * mean_context * kv_per_token)
+/ bandwidth), mean_context = the engine's kv_tokens_read / decode_rows. A second bound charges the
+engine's actual schedule (its under-full tail steps too): (decode_steps * weights + kv_tokens_read *
+kv_per_token) / bandwidth. Both leave prefill out (compute-bound, small next to decode here).
+Also printed: an end-to-end estimate for the paper's recipe (regeneration at the measured rates;
+extraction and training rates from bench/RESULTS.md, overridable).
+
+    python -m bench.regenerate --json result.json                      # GPU: Qwen3-8B shape, random bf16
+    python -m bench.regenerate --shape tiny --requests 64              # CPU: the repo's tiny target
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import LogitsProcessor
+
+from bench import emit
+
+# Measured numbers from bench/RESULTS.md (one H200), the defaults of the recipe estimate's options.
+RESULTS_EXTRACT_TOK_S = 42_582  # stage one: pipeline, compiled layers, 4 write streams (2026-12-03)
+RESULTS_TRAIN_STEP_S = 0.122  # stage two: compiled flex step, 5-layer drafter (run D, 2026-12-04)
+RESULTS_TRAIN_STEP_TOKENS = 4096  # ... one 4096-token pack per step
+TRAIN_EPOCHS = 6  # dflash-train's default --epochs
+
+QWEN3_FIRST_SPECIAL_ID = 151_643  # <|endoftext|>; Qwen3's special/added ids are 151643 and above
+QWEN3_IM_END_ID = 151_645
+WARM_KEY = 1 << 40  # keys of warm-up requests (timed requests use their index)
+NOT_COUNTERS = {"kv_cache_pages", "page_size"}  # engine.stats entries that are settings, not counters
+
+
+# ------------------------------------------------------------------ model
+
+
+def qwen3_8b_shape_config():
+    """Qwen3-8B's shape: hidden 4096, 36 layers, 32/8 heads x 128, MLP 12288, vocab 151936, untied head,
+    rope theta 1e6, 40960 positions."""
+    from bench.extract import qwen3_8b_config
+
+    cfg = qwen3_8b_config(36)
+    rope = getattr(cfg, "rope_parameters", None)
+    if isinstance(rope, dict):  # transformers 5
+        rope["rope_theta"] = 1e6
+    else:
+        cfg.rope_theta = 1e6
+    cfg.bos_token_id, cfg.eos_token_id = QWEN3_FIRST_SPECIAL_ID, QWEN3_IM_END_ID
+    return cfg
+
+
+def special_free_ids(tokenizer, vocab: int) -> np.ndarray:
+    """Token ids a prompt may hold: the tokenizer's, minus its special and added tokens."""
+    bad = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    ids = np.arange(min(len(tokenizer), vocab))
+    return ids[~np.isin(ids, sorted(bad))]
+
+
+def load_model(args, device: torch.device, dtype: torch.dtype):
+    """(model, ids prompts may use, eos id for the HF baseline, description)."""
+    from transformers import AutoModelForCausalLM
+
+    if args.target:
+        from dflash.extract.assets import load_tokenizer
+        from dflash.extract.target import load_full_target
+
+        model = load_full_target(args.target, device=device, dtype=dtype)
+        tokenizer = load_tokenizer(args.target)
+        allowed = special_free_ids(tokenizer, model.config.vocab_size)
+        what = f"{args.target} ({dtype_name(dtype)})"
+    elif args.shape == "qwen3-8b":
+        cfg = qwen3_8b_shape_config()
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model.eval().requires_grad_(False)
+        allowed = np.arange(QWEN3_FIRST_SPECIAL_ID)
+        what = f"Qwen3-8B shape, random {dtype_name(dtype)} weights"
+        return model, allowed, QWEN3_IM_END_ID, what
+    else:
+        from dflash.data.tiny_target import build_tiny_target
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory() as tmp:
+            build_tiny_target(tmp)
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa")
+        model = model.eval().requires_grad_(False).to(device)
+        allowed = special_free_ids(tokenizer, model.config.vocab_size)
+        what = f"tiny random Qwen3 target ({dtype_name(dtype)})"
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = int(next(iter(sorted(set(range(model.config.vocab_size)) - set(allowed.tolist()))), model.config.vocab_size - 1))
+    return model, allowed, int(eos), what
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def model_bytes(model) -> dict:
+    """Parameter bytes (a tied embedding counted once) and the part a decode step reads: all but the
+    input embedding table, of which a step only gathers one row per sequence (a tied table is the LM
+    head too, read whole, so it stays)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() dedups tied weights
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    emb_bytes = emb.numel() * emb.element_size()
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
+    return {"weight_bytes": total, "embedding_bytes": emb_bytes, "tied_embedding": tied,
+            "weight_bytes_read_per_step": total if tied else total - emb_bytes, "kv_bytes_per_token": kv}
+
+
+# ------------------------------------------------------------------ workload
+
+
+def draw_lengths(rng: np.random.Generator, n: int, lo: int, hi: int, mean: float, sigma: float) -> np.ndarray:
+    """n integers in [lo, hi] from a clipped log-normal whose median is set (bisection on these very
+    draws) so that their mean is `mean` (as near as rounding and the clip allow)."""
+    z = rng.standard_normal(n)
+
+    def lengths(mu: float) -> np.ndarray:
+        return np.clip(np.rint(np.exp(mu + sigma * z)), lo, hi).astype(np.int64)
+
+    a, b = math.log(max(lo, 1)) - 6 * sigma, math.log(hi) + 6 * sigma
+    for _ in range(80):
+        mid = (a + b) / 2
+        a, b = (mid, b) if lengths(mid).mean() < mean else (a, mid)
+    return lengths((a + b) / 2)
+
+
+def draw_workload(args, allowed: np.ndarray) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(args.seed)
+    n = args.requests
+    prompt_lens = draw_lengths(rng, n, args.min_prompt, args.max_prompt, args.mean_prompt, 0.7)
+    reply_lens = draw_lengths(rng, n, 1, args.max_reply, args.mean_reply, 0.9)
+    prompts = [allowed[rng.integers(0, len(allowed), int(L))].tolist() for L in prompt_lens]
+    return prompts, reply_lens.tolist()
+
+
+# ------------------------------------------------------------------ physical bound
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, repeats: int = 10) -> float:
+    """Bytes read + written per second by a device-to-device copy of a large tensor (median of
+    `repeats` copies): the memory bandwidth a decode step can use."""
+    nbytes = (2 << 30) if device.type == "cuda" else (128 << 20)
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def bound_tok_s(batch: float, mean_context: float, sizes: dict, bandwidth: float) -> float:
+    """Decode tokens/s at `batch` rows, each attending over `mean_context` tokens, if each step only
+    had to read the weights and those KV caches once at `bandwidth`."""
+    step_bytes = sizes["weight_bytes_read_per_step"] + batch * mean_context * sizes["kv_bytes_per_token"]
+    return batch / (step_bytes / bandwidth)
+
+
+# ------------------------------------------------------------------ contenders
+
+
+def stats_of_call(before: dict, after: dict) -> dict:
+    """The engine's stats for one `generate` call: its counters accumulate over the engine's life, so
+    after - before (settings such as the page count are copied)."""
+    return {k: (v - before.get(k, 0) if k not in NOT_COUNTERS else v)
+            for k, v in after.items() if isinstance(v, (int, float))}
+
+
+def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device) -> dict:
+    from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
+    from dflash.shared.generation.sampling import SamplingParams
+
+    sampling = (SamplingParams(temperature=1.0, top_p=0.95, top_k=0) if sampled
+                else SamplingParams(temperature=0.0, top_p=1.0, top_k=0))
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    capacity = max(len(p) + L for p, L in zip(prompts, lengths))
+    settings = EngineSettings(max_batch=batch, max_request_tokens=args.max_request_tokens or capacity,
+                              page_size=args.page_size, cuda_graphs=graphs)
+    t = time.perf_counter()
+    engine = GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings)
+    build_s = time.perf_counter() - t
+    n_warm = min(batch, len(prompts), args.warmup_requests)
+    t = time.perf_counter()
+    engine.generate([Request(prompt=prompts[i], max_new_tokens=min(lengths[i], 8), key=WARM_KEY + i) for i in range(n_warm)])
+    sync(device)
+    warm_call_s = time.perf_counter() - t
+    before = dict(engine.stats)
+    requests = [Request(prompt=p, max_new_tokens=L, key=i) for i, (p, L) in enumerate(zip(prompts, lengths))]
+    sync(device)
+    t = time.perf_counter()
+    replies = engine.generate(requests)
+    sync(device)
+    seconds = time.perf_counter() - t
+    generated = sum(len(r.tokens) for r in replies)
+    stats = stats_of_call(before, dict(engine.stats))
+    useful = sum(min(len(r.tokens), L) for r, L in zip(replies, lengths))
+    row = {"contender": "engine", "batch": batch, "sampling": "sampled" if sampled else "greedy",
+           "requests": len(requests), "drawn_tokens": sum(lengths), "generated_tokens": generated,
+           "useful_tokens": useful, "length_mismatches": sum(len(r.tokens) != L for r, L in zip(replies, lengths)),
+           "finished_by_stop": sum(bool(getattr(r, "finished", False)) for r in replies),
+           "seconds": seconds, "tokens_per_s": useful / seconds, "engine_build_s": build_s,
+           "warmup_call_s": warm_call_s, "graph_capture_s": engine.stats.get("warmup_seconds"),
+           "stats": stats, "engine_stats_total": dict(engine.stats)}
+    if stats.get("decode_steps"):
+        row["mean_active_rows"] = stats["decode_rows"] / stats["decode_steps"]
+    if stats.get("decode_rows"):
+        row["mean_context"] = stats["kv_tokens_read"] / stats["decode_rows"]
+    if stats.get("decode_seconds"):
+        row["decode_tokens_per_s"] = stats["decode_rows"] / stats["decode_seconds"]
+    row["_tokens"] = [list(r.tokens) for r in replies[: args.compare_rows]]
+    del engine, replies
+    return row
+
+
+class EndAtDrawnLength(LogitsProcessor):
+    """HF logits processor: row r gets the eos id banned before its drawn length and forced at it,
+    so it stops exactly there, like a chat reply ending (without it, a random model never stops)."""
+
+    def __init__(self, lengths: list[int], prompt_width: int, eos: int, vocab: int, device):
+        self.lengths = torch.tensor(lengths, device=device)
+        self.width = prompt_width
+        self.eos = eos
+        self.forced = torch.full((1, vocab), -math.inf, device=device)
+        self.forced[0, eos] = 0.0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        at_end = (self.lengths == input_ids.shape[1] - self.width + 1)[:, None]  # this token is the last
+        scores[:, self.eos] = -math.inf
+        return torch.where(at_end, self.forced[:, : scores.shape[1]].to(scores.dtype), scores)
+
+
+def hf_generate(model, prompts, lengths, batch: int, eos: int, device) -> tuple[int, int, list[list[int]]]:
+    """The previous path: length-sorted, left-padded static batches through `model.generate`, greedy,
+    each batch running until its longest row ends. (tokens generated, rows stopped elsewhere than at
+    their drawn length, tokens of each row in request order)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    out_tokens: list[list[int]] = [[] for _ in prompts]
+    generated = mismatched = 0
+    for start in range(0, len(order), batch):
+        chosen = order[start : start + batch]
+        width = max(len(prompts[i]) for i in chosen)
+        ids = torch.full((len(chosen), width), eos, dtype=torch.long)
+        attention = torch.zeros((len(chosen), width), dtype=torch.long)
+        for row, i in enumerate(chosen):
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            attention[row, width - len(prompts[i]) :] = 1
+        want = [lengths[i] for i in chosen]
+        config = GenerationConfig(max_new_tokens=max(want), do_sample=False, temperature=None, top_p=None,
+                                  top_k=None, eos_token_id=eos, pad_token_id=eos)
+        processor = EndAtDrawnLength(want, width, eos, vocab, device)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
+                                 generation_config=config, logits_processor=LogitsProcessorList([processor]))
+        for i, toks in zip(chosen, out[:, width:].tolist()):
+            n = toks.index(eos) + 1 if eos in toks else len(toks)  # up to and with the (forced) eos
+            out_tokens[i] = toks[:n]
+            generated += n
+            mismatched += n != lengths[i]
+    return generated, mismatched, out_tokens
+
+
+def run_hf(model, prompts, lengths, batch: int, n_requests: int, cap: int, eos: int, device) -> dict:
+    prompts, lengths = prompts[:n_requests], [min(L, cap) for L in lengths[:n_requests]]
+    warm = min(batch, len(prompts), 4)
+    hf_generate(model, prompts[:warm], [min(L, 4) for L in lengths[:warm]], batch, eos, device)
+    sync(device)
+    t = time.perf_counter()
+    generated, mismatched, tokens = hf_generate(model, prompts, lengths, batch, eos, device)
+    sync(device)
+    seconds = time.perf_counter() - t
+    useful = sum(min(len(x), L) for x, L in zip(tokens, lengths))
+    return {"contender": "hf_generate", "batch": batch, "sampling": "greedy", "requests": len(prompts),
+            "max_new_tokens_cap": cap, "drawn_tokens": sum(lengths), "generated_tokens": generated,
+            "useful_tokens": useful, "length_mismatches": mismatched, "seconds": seconds,
+            "tokens_per_s": useful / seconds, "_tokens": tokens}
+
+
+def greedy_agreement(engine_tokens: list[list[int]], hf_tokens: list[list[int]]) -> dict:
+    """How far the engine's greedy replies follow HF's on the same prompts: the common prefix of each
+    pair over the compared length (both minus their last token: HF's is a forced eos). Random weights
+    in bf16 have near-tied logits, so some divergence is expected; float32 should agree closely."""
+    common = compared = identical = 0
+    for a, b in zip(engine_tokens, hf_tokens):
+        n = min(len(a), len(b)) - 1
+        if n <= 0:
+            continue
+        k = next((j for j in range(n) if a[j] != b[j]), n)
+        common, compared, identical = common + k, compared + n, identical + (k == n)
+    pairs = sum(min(len(a), len(b)) > 1 for a, b in zip(engine_tokens, hf_tokens))
+    return {"rows": pairs, "identical_rows": identical, "common_prefix_fraction": common / compared if compared else None}
+
+
+# ------------------------------------------------------------------ recipe estimate
+
+
+def recipe_estimate(args, engine_row: dict | None, old_rate: float | None, sizes: dict, bandwidth: float) -> dict:
+    """Hours of each stage of the paper's recipe (one reply per conversation; stages in sequence).
+    Measured in this run: the engine's and HF batch 32's regeneration rates (on this bench's workload).
+    From bench/RESULTS.md (options): extraction tok/s per GPU, training step time and tokens per step.
+    Modelled: the engine's rate moved to the recipe's longer replies by the ratio of the bandwidth
+    bound at the recipe's mean context (prompt + reply / 2) to the bound at the context measured here."""
+    C, R, P = args.recipe_conversations, args.recipe_reply_tokens, args.recipe_prompt_tokens
+    tokens = C * (P + R)
+    out = {"conversations": C, "reply_tokens": R, "prompt_tokens": P, "regen_gpus": args.recipe_regen_gpus,
+           "extract_gpus": args.recipe_extract_gpus, "train_gpus": args.recipe_train_gpus, "epochs": args.recipe_epochs,
+           "measured_here": ["regen_engine_tok_s_per_gpu", "regen_old_hf_batch32_tok_s_per_gpu"],
+           "from_results_md": {"extract_tok_s_per_gpu": args.extract_tok_s, "train_step_s": args.train_step_s,
+                               "train_step_tokens": args.train_step_tokens},
+           "modelled": ["regen_engine_at_recipe_context_tok_s_per_gpu"]}
+    out["extract_h"] = tokens / (args.extract_tok_s * args.recipe_extract_gpus) / 3600
+    out["train_h"] = args.recipe_epochs * tokens / args.train_step_tokens * args.train_step_s / args.recipe_train_gpus / 3600
+    rates = {"old_hf_batch32": old_rate}
+    if engine_row:
+        out["engine_batch"] = engine_row["batch"]
+        rates["engine"] = engine_row["tokens_per_s"]
+        if "mean_context" in engine_row:
+            B = engine_row["batch"]
+            scale = bound_tok_s(B, P + R / 2, sizes, bandwidth) / bound_tok_s(B, engine_row["mean_context"], sizes, bandwidth)
+            rates["engine_at_recipe_context"] = engine_row["tokens_per_s"] * scale
+    for name, rate in rates.items():
+        if rate:
+            out[f"regen_{name}_tok_s_per_gpu"] = rate
+            out[f"regen_{name}_h"] = C * R / (rate * args.recipe_regen_gpus) / 3600
+            out[f"total_{name}_h"] = out[f"regen_{name}_h"] + out["extract_h"] + out["train_h"]
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None, help="write the result JSON here")
+    ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    ap.add_argument("--shape", choices=["qwen3-8b", "tiny"], default=None,
+                    help="random model: Qwen3-8B's shape in bf16 (default on CUDA) or the repo's tiny target (default on CPU)")
+    ap.add_argument("--target", default=None, help="a real model folder instead of --shape")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                    help="[default: bfloat16 on CUDA, float32 on CPU]")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=None, help="[default: 2000 on CUDA, 64 on CPU]")
+    ap.add_argument("--max-prompt", type=int, default=None, help="[default: 1024 on CUDA, 128 on CPU]")
+    ap.add_argument("--min-prompt", type=int, default=None, help="[default: 64/1024 of --max-prompt]")
+    ap.add_argument("--mean-prompt", type=float, default=None, help="[default: 300/1024 of --max-prompt]")
+    ap.add_argument("--max-reply", type=int, default=None, help="[default: 1024 on CUDA, 64 on CPU]")
+    ap.add_argument("--mean-reply", type=float, default=None, help="[default: 500/1024 of --max-reply]")
+    ap.add_argument("--batch", type=int, action="append", default=None,
+                    help="engine max_batch, repeatable [default: 256]")
+    ap.add_argument("--sampled", action="store_true", help="also run the engine with temperature 1, top-p 0.95")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--max-request-tokens", type=int, default=None,
+                    help="engine capacity of one request [default: the longest prompt + reply drawn]")
+    ap.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--warmup-requests", type=int, default=256, help="requests in each warm-up call (8 new tokens each)")
+    ap.add_argument("--baseline-batch", type=int, action="append", default=None,
+                    help="HF generate batch size, repeatable [default: 32 and 256]")
+    ap.add_argument("--baseline-requests", type=int, default=None,
+                    help="HF runs on the first N requests [default: max(64, its batch)]")
+    ap.add_argument("--baseline-max-new-tokens", type=int, default=256, help="HF replies capped at this length")
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--compare-rows", type=int, default=64, help="greedy engine vs HF token agreement over the first N requests")
+    r = ap.add_argument_group("recipe estimate (regeneration rates measured here; the rest from bench/RESULTS.md)")
+    r.add_argument("--recipe-conversations", type=int, default=800_000)
+    r.add_argument("--recipe-reply-tokens", type=int, default=1000, help="generated tokens per conversation")
+    r.add_argument("--recipe-prompt-tokens", type=int, default=300)
+    r.add_argument("--recipe-regen-gpus", type=int, default=5, help="regeneration runs on the extraction GPUs")
+    r.add_argument("--recipe-extract-gpus", type=int, default=5)
+    r.add_argument("--recipe-train-gpus", type=int, default=3)
+    r.add_argument("--recipe-epochs", type=int, default=TRAIN_EPOCHS)
+    r.add_argument("--extract-tok-s", type=float, default=RESULTS_EXTRACT_TOK_S,
+                   help="extraction tok/s per GPU (RESULTS.md stage one)")
+    r.add_argument("--train-step-s", type=float, default=RESULTS_TRAIN_STEP_S, help="RESULTS.md stage two")
+    r.add_argument("--train-step-tokens", type=int, default=RESULTS_TRAIN_STEP_TOKENS, help="RESULTS.md stage two")
+    args = ap.parse_args(argv)
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    args.shape = args.shape or ("qwen3-8b" if cuda else "tiny")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.requests = args.requests or (2000 if cuda else 64)
+    args.max_prompt = args.max_prompt or (1024 if cuda else 128)
+    args.max_reply = args.max_reply or (1024 if cuda else 64)
+    scale_p = args.max_prompt / 1024
+    args.min_prompt = args.min_prompt or max(1, round(64 * scale_p))
+    args.mean_prompt = args.mean_prompt or max(args.min_prompt, 300 * scale_p)
+    args.mean_reply = args.mean_reply or max(1.0, 500 * args.max_reply / 1024)
+    args.batch = args.batch or [256]
+    args.baseline_batch = [] if args.skip_baseline else (args.baseline_batch or [32, 256])
+    if not 1 <= args.min_prompt <= args.max_prompt:
+        ap.error("need 1 <= --min-prompt <= --max-prompt")
+    return args
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    model, allowed, eos, what = load_model(args, device, dtype)
+    prompts, lengths = draw_workload(args, allowed)
+    sizes = model_bytes(model)
+    bandwidth = copy_bandwidth(device)
+    free(device)
+    result = {
+        "model": what, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "args": {k: v for k, v in vars(args).items()},
+        "workload": {"requests": len(prompts), "seed": args.seed,
+                     "prompt_tokens": {"min": args.min_prompt, "max": args.max_prompt, "target_mean": args.mean_prompt,
+                                       "mean": float(np.mean([len(p) for p in prompts])), "total": sum(len(p) for p in prompts)},
+                     "reply_tokens": {"min": 1, "max": args.max_reply, "target_mean": args.mean_reply,
+                                      "mean": float(np.mean(lengths)), "total": sum(lengths)},
+                     "eos_id_hf": eos, "stop_ids_engine": []},
+        "copy_bandwidth_GBps": bandwidth / 1e9, **sizes,
+        "bound_note": "per decode step: weights minus the input embedding table (only gathered) + each row's KV once, "
+                      "at the copy bandwidth; prefill not charged",
+        "engine": [], "hf_generate": [], "errors": [],
+    }
+    wl = result["workload"]
+    print(f"workload: {len(prompts)} requests, prompt mean {wl['prompt_tokens']['mean']:.1f} "
+          f"({args.min_prompt}..{args.max_prompt}), reply mean {wl['reply_tokens']['mean']:.1f} (1..{args.max_reply}), "
+          f"{sum(lengths):,} tokens to generate", flush=True)
+
+    def save_partial() -> None:  # a step killed by its timeout still leaves the contenders done so far
+        if args.json:
+            rows = {k: [{f: v for f, v in r.items() if f != "_tokens"} for r in result[k]] for k in ("engine", "hf_generate")}
+            Path(args.json).write_text(json.dumps({**result, **rows, "partial": True}, indent=1))
+
+    def attempt(name: str, fn):
+        try:
+            return fn()
+        except Exception as exc:  # one contender failing (OOM, engine not there) must not lose the others
+            traceback.print_exc()
+            result["errors"].append({"contender": name, "error": f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+            return None
+        finally:
+            free(device)
+            save_partial()
+
+    for batch in args.batch:
+        for sampled in [False, True] if args.sampled else [False]:
+            row = attempt(f"engine batch {batch}{' sampled' if sampled else ''}",
+                          lambda: run_engine(model, prompts, lengths, batch, sampled, args, device))
+            if row:
+                print(f"engine batch {batch} {row['sampling']}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
+                result["engine"].append(row)
+    for batch in args.baseline_batch:
+        n = min(len(prompts), args.baseline_requests or max(64, batch))
+        row = attempt(f"hf_generate batch {batch}",
+                      lambda: run_hf(model, prompts, lengths, batch, n, args.baseline_max_new_tokens, eos, device))
+        if row:
+            print(f"hf_generate batch {batch}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
+            result["hf_generate"].append(row)
+
+    hf = {r["batch"]: r for r in result["hf_generate"]}
+    for row in result["engine"]:
+        for b, base in hf.items():
+            row[f"vs_hf_batch{b}"] = row["tokens_per_s"] / base["tokens_per_s"]
+        if "mean_context" in row:
+            row["bound_tok_s"] = bound_tok_s(row["batch"], row["mean_context"], sizes, bandwidth)
+            row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tok_s"]
+            st = row["stats"]
+            sched_s = (st["decode_steps"] * sizes["weight_bytes_read_per_step"]
+                       + st["kv_tokens_read"] * sizes["kv_bytes_per_token"]) / bandwidth
+            row["schedule_bound_s"] = sched_s
+            row["schedule_bound_tok_s"] = row["useful_tokens"] / sched_s
+            row["fraction_of_schedule_bound"] = row["tokens_per_s"] / row["schedule_bound_tok_s"]
+        if row["sampling"] == "greedy" and row["batch"] == args.batch[0]:
+            for b, base in hf.items():
+                row[f"greedy_agreement_hf_batch{b}"] = greedy_agreement(row["_tokens"], base["_tokens"])
+    for row in result["engine"] + result["hf_generate"]:
+        row.pop("_tokens", None)
+
+    greedy = [r for r in result["engine"] if r["sampling"] == "greedy"]
+    best = max(greedy, key=lambda r: r["tokens_per_s"]) if greedy else None
+    old = hf.get(32)
+    result["recipe_estimate"] = recipe_estimate(args, best, old and old["tokens_per_s"], sizes, bandwidth)
+    emit(result, args.json)
+    print_summary(result, args)
+    if result["errors"]:
+        sys.exit(f"bench.regenerate: {len(result['errors'])} contender(s) failed: "
+                 + "; ".join(f"{e['contender']}: {e['error']}" for e in result["errors"]))
+    return result
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def print_summary(result: dict, args) -> None:
+    """A short table for the tail of the log (gpu_session.sh shows the last 25 lines)."""
+    wl = result["workload"]
+    print(f"\n== regenerate: {result['model']} on {result['device']}; {wl['requests']} requests, prompts mean "
+          f"{wl['prompt_tokens']['mean']:.0f} ({args.min_prompt}..{args.max_prompt}), replies mean "
+          f"{wl['reply_tokens']['mean']:.0f} (1..{args.max_reply}), each ending at its drawn length")
+    print(f"copy bandwidth {result['copy_bandwidth_GBps']:,.0f} GB/s; weights {human_bytes(result['weight_bytes'])} "
+          f"({human_bytes(result['weight_bytes_read_per_step'])} read per step: embedding table excluded); "
+          f"KV {human_bytes(result['kv_bytes_per_token'])}/token")
+    hf_batches = [r["batch"] for r in result["hf_generate"]]
+    print(f"{'contender':<28}{'reqs':>5}{'tokens':>10}{'tok/s':>8}" + "".join(f"{'/HF' + str(b):>8}" for b in hf_batches)
+          + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}")
+    for r in result["engine"]:
+        line = f"{'engine ' + r['sampling'] + ' B=' + str(r['batch']):<28}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
+        line += "".join(f"{r.get(f'vs_hf_batch{b}', float('nan')):>7.2f}x" for b in hf_batches)
+        if "bound_tok_s" in r:
+            line += (f"{r['mean_context']:>6.0f}{r.get('mean_active_rows', float('nan')):>6.0f}{r['bound_tok_s']:>9,.0f}"
+                     f"{r['fraction_of_bound']:>5.0%}{r['schedule_bound_tok_s']:>9,.0f}{r['fraction_of_schedule_bound']:>5.0%}")
+        print(line)
+    for r in result["hf_generate"]:
+        name = f"HF generate B={r['batch']} cap {r['max_new_tokens_cap']}"
+        print(f"{name:<28}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
+    print("ctx: mean context per decode row; rows: mean active rows per step; bound: B rows at ctx; "
+          "sched: the engine's own steps (prefill uncharged)")
+    for r in result["engine"]:
+        notes = [f"graphs {r['graph_capture_s']:.1f} s" if r.get("graph_capture_s") else "",
+                 f"prefill {r['stats'].get('prefill_seconds', 0):.1f} s, decode {r['stats'].get('decode_seconds', 0):.1f} s",
+                 f"{r['length_mismatches']} replies NOT at their drawn length" if r["length_mismatches"] else ""]
+        for k, v in r.items():
+            if k.startswith("greedy_agreement") and v["common_prefix_fraction"] is not None:
+                notes.append(f"vs {k.removeprefix('greedy_agreement_')}: {v['identical_rows']}/{v['rows']} identical, "
+                             f"prefix {v['common_prefix_fraction']:.0%}")
+        print(f"engine {r['sampling']} B={r['batch']}: " + "; ".join(n for n in notes if n))
+    for e in result["errors"]:
+        print(f"!! {e['contender']}: {e['error']}")
+    est = result["recipe_estimate"]
+    print(f"recipe: {est['conversations']:,} conversations, {est['prompt_tokens']} prompt + {est['reply_tokens']} reply tokens; "
+          f"regen on {est['regen_gpus']} GPUs, extraction {est['extract_gpus']}, training {est['train_gpus']} ({est['epochs']} epochs)")
+    for name, how in (("engine", f"the engine's (B={est.get('engine_batch')}), measured here"),
+                      ("engine_at_recipe_context", "the engine's moved to the recipe's context by the bound, modelled"),
+                      ("old_hf_batch32", f"HF batch 32's (old default), measured here, replies capped at {args.baseline_max_new_tokens}")):
+        if f"regen_{name}_h" in est:
+            print(f"  regeneration {est[f'regen_{name}_h']:6.1f} h at {est[f'regen_{name}_tok_s_per_gpu']:>7,.0f} tok/s/GPU: {how}"
+                  f" (end to end {est[f'total_{name}_h']:.1f} h)")
+    print(f"  extraction {est['extract_h']:.1f} h at {args.extract_tok_s:,.0f} tok/s/GPU; training {est['train_h']:.1f} h at "
+          f"{args.train_step_s} s per {args.train_step_tokens}-token step (both from bench/RESULTS.md); stages in sequence")
+
+
+if __name__ == "__main__":
+    main()

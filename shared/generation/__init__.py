@@ -1,0 +1,1 @@
+"""Batched generation over a paged KV cache: the regeneration engine's parts."""

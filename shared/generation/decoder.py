@@ -1,0 +1,198 @@
+"""A Llama-style decoder run over a paged KV cache, from the HF model's own modules.
+
+The HF model stays the single source of weights and layer code: its embedding, norms, projections,
+q/k norms (Qwen3), rotary embedding, MLPs and LM head are called as they are. What is ours is only
+what HF's per-request cache cannot do: packed prefill of prompts of different lengths into cache
+pages, and a one-token decode step over rows that each attend to their own pages (no padding,
+fixed shapes, so it can be captured once as a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.shared.generation.paged_attention import paged_decode_attention
+from dflash.shared.launch import UserError
+
+# Decoders whose layers are exactly: x + attn(norm(x)), then x + mlp(norm(x)); attention with
+# q/k/v/o projections (optional bias), optional per-head q/k RMSNorm, rotary positions, GQA.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # cos/sin that change with the sequence length
+
+
+class GenerationError(UserError, ValueError):
+    """The target or a request cannot be run by the generation engine; the message says why."""
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+_HINT = ("regenerate the replies with vLLM or SGLang and pass the JSONL as --data without --regenerate "
+         "(README: Target-written replies)")
+
+
+def check_supported_config(config: Any, max_context: int) -> None:
+    """Refuse, with the reason, a decoder config this runner would compute wrongly (checked before
+    any model is loaded, so a run that cannot regenerate stops at once)."""
+    kind = getattr(config, "model_type", type(config).__name__)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise GenerationError(f"model_type {kind!r}: the generation engine runs "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders; {_HINT}")
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [t for t in layer_types if t != "full_attention"]
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if sliding or (kind == "mistral" and window is not None and window < max_context):
+        raise GenerationError(f"{kind}: sliding-window attention layers are not supported by the generation "
+                              f"engine; {_HINT}")
+
+
+def check_supported(model: nn.Module, max_context: int) -> None:
+    """`check_supported_config`, and a rotary embedding whose cos/sin do not depend on the length."""
+    check_supported_config(_text_config(model), max_context)
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if any(name in rope for name in _POSITION_DEPENDENT_ROPE):
+        raise GenerationError(f"rope type {rope!r} changes with the sequence length, which the "
+                              f"generation engine does not support; {_HINT}")
+
+
+@dataclass
+class PagedKVCache:
+    """Keys and values of every layer in pages of `page_size` tokens: [pages, page_size, kv_heads,
+    head_dim] per layer. Page 0 is scratch: rows that are only padding write there."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    page_size: int
+
+    @classmethod
+    def allocate(cls, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> PagedKVCache:
+        shape = (pages, page_size, kv_heads, head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        return cls(keys, values, page_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys[0].shape[0]
+
+    @staticmethod
+    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[heads_kv, T, D] -> [heads_kv * groups, T, D], query head h on kv head h // groups (HF's rule)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=0)
+
+
+def attention_inputs(layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
+    """q [T, heads, D], k and v [T, kv_heads, D] of one decoder layer: input norm, projections, the
+    per-head q/k norms where the architecture has them (Qwen3), rotary positions."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (x.shape[0], -1, head_dim)
+    q = attn.q_proj(x).view(shape)
+    k = attn.k_proj(x).view(shape)
+    v = attn.v_proj(x).view(shape)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def layer_output(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The layer's output from its input and the attention result [T, heads * D]: output projection,
+    residual, post-attention norm, MLP, residual."""
+    hidden = hidden + layer.self_attn.o_proj(attended)
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+class PagedDecoder:
+    """Prefill and decode of an HF Llama-style causal LM whose keys and values live in a PagedKVCache."""
+
+    def __init__(self, model: nn.Module, cache: PagedKVCache, max_context: int, compile: bool = False):
+        check_supported(model, max_context)
+        base = model.model
+        self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
+        self.lm_head = model.lm_head
+        attn = self.layers[0].self_attn
+        config = _text_config(model)
+        self.head_dim = attn.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.groups = self.heads // self.kv_heads
+        self.scaling = attn.scaling
+        self.cache = cache
+        # Compiled, the norms, rotary, SiLU gating and residual adds fuse into few kernels instead of
+        # ~40 launches per layer. The layers share these two functions, so (parameters being graph
+        # inputs) one graph serves every layer, and dynamic shapes one graph every token count.
+        wrap = (lambda fn: torch.compile(fn, dynamic=True)) if compile else (lambda fn: fn)
+        self._attention_inputs, self._layer_output = wrap(attention_inputs), wrap(layer_output)
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(hidden, positions[None])
+        return cos[0, :, None], sin[0, :, None]  # [T, 1, D]: broadcast over heads
+
+    def _store(self, layer: int, cache_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        flat = (-1, self.kv_heads, self.head_dim)
+        self.cache.keys[layer].view(flat).index_copy_(0, cache_index, k)
+        self.cache.values[layer].view(flat).index_copy_(0, cache_index, v)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cache_index: torch.Tensor,
+                lengths: list[int]) -> torch.Tensor:
+        """Prompts packed back to back (`tokens`, `positions`, `cache_index` of [T]; `lengths` the
+        prompt lengths, summing to T): writes their keys/values, returns the float32 logits [n, vocab]
+        after each prompt's last token. Attention is causal within each prompt only."""
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        hidden = self.embed(tokens)
+        cos, sin = self._rotary(hidden, positions)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._attention_inputs(layer, hidden, cos, sin, self.head_dim)
+            self._store(i, cache_index, k, v)
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, D]
+            out = torch.empty_like(q)
+            for start, stop in zip(bounds[:-1], bounds[1:]):
+                out[:, start:stop] = F.scaled_dot_product_attention(
+                    q[None, :, start:stop], _repeat_kv(k[:, start:stop], self.groups)[None],
+                    _repeat_kv(v[:, start:stop], self.groups)[None], is_causal=True, scale=self.scaling)[0]
+            hidden = self._layer_output(layer, hidden, out.transpose(0, 1).reshape(len(tokens), -1))
+        last = torch.tensor([b - 1 for b in bounds[1:]], device=tokens.device)
+        return self._logits(hidden[last])
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """One new token per row ([b] tokens at [b] positions, each row's pages in `block_table`
+        [b, pages]): writes its key/value, returns float32 logits [b, vocab]. No host sync."""
+        page = self.cache.page_size
+        rows = torch.arange(len(tokens), device=tokens.device)
+        cache_index = block_table[rows, positions // page].long() * page + positions % page
+        lengths = positions + 1
+        hidden = self.embed(tokens)
+        cos, sin = self._rotary(hidden, positions)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._attention_inputs(layer, hidden, cos, sin, self.head_dim)
+            self._store(i, cache_index, k, v)
+            out = paged_decode_attention(q, self.cache.keys[i], self.cache.values[i], block_table, lengths, self.scaling)
+            hidden = self._layer_output(layer, hidden, out.reshape(len(tokens), -1))
+        return self._logits(hidden)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return math.ceil(tokens / page_size)

@@ -1,0 +1,325 @@
+"""Continuous-batching generation of many replies with one target model in one process.
+
+Requests wait in a queue; whenever enough decode rows are free, waiting prompts are admitted and
+prefilled together (packed, no padding), their keys and values written into cache pages reserved
+for prompt + reply. Every step then decodes one token for every running request. A request leaves
+as soon as it emits a stop id or reaches its own `max_new_tokens`, and its row and pages go to
+the next prompt: the batch stays full instead of waiting for its longest reply.
+
+On CUDA the decode step is captured once per batch bucket as a CUDA graph (rows padded to the
+bucket point at a scratch slot), so a step costs one graph launch rather than ~30 kernel launches
+per layer from Python. Every row's token is a function of its own request (see `sampling`): the
+replies do not depend on which requests ran together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dflash.shared.generation.decoder import GenerationError, PagedDecoder, PagedKVCache, check_supported, pages_for
+from dflash.shared.generation.sampling import SamplingParams, choose_tokens
+
+WORKSPACE_MARGIN_BYTES = 2 << 30  # beside the estimate: CUDA graphs' pool, library workspaces
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_batch: int = 256  # requests decoded together at most
+    max_request_tokens: int = 4096  # prompt + reply of one request, at most
+    page_size: int = 64  # tokens per KV-cache page
+    prefill_tokens: int = 16384  # prompt tokens packed into one prefill forward (one longer prompt runs alone)
+    cuda_graphs: bool | None = None  # None: on for CUDA
+    compile: bool | None = None  # compile the layers' pointwise work; None: on for CUDA
+    num_pages: int | None = None  # KV-cache pages; None: what fits (CUDA) or max_batch full requests (CPU)
+    admit_fraction: float = 1 / 32  # prefill once this share of the rows is free (fewer, larger prefills)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_request_tokens < 2 or self.page_size < 1 or self.prefill_tokens < 1:
+            raise ValueError("EngineSettings: max_batch, page_size, prefill_tokens must be >= 1, max_request_tokens >= 2")
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: Sequence[int]
+    max_new_tokens: int
+    key: int = 0  # the request's sampling key (sampling.request_key); unused when greedy
+
+
+@dataclass
+class Reply:
+    tokens: list[int] = field(default_factory=list)  # generated ids, the stop id included if one ended it
+    finished: bool = False  # ended by a stop id (False: cut at max_new_tokens)
+
+
+@dataclass
+class _Running:
+    request_id: Hashable
+    request: Request
+    slot: int
+    pages: list[int]
+    reply: Reply = field(default_factory=Reply)
+
+
+def _buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes with a graph each: powers of two below max_batch, and max_batch."""
+    sizes = {max_batch}
+    size = 1
+    while size < max_batch:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
+
+
+class GenerationEngine:
+    """See the module doc. Single-threaded by design: `step()` is called from one thread."""
+
+    def __init__(self, model: nn.Module, *, stop_ids: Iterable[int], sampling: SamplingParams,
+                 settings: EngineSettings = EngineSettings()):
+        check_supported(model, settings.max_request_tokens)
+        self.settings = settings
+        self.sampling = sampling
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        param = next(model.parameters())
+        self.device, dtype = param.device, param.dtype
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        attn = model.model.layers[0].self_attn
+        layers, kv_heads, head_dim = len(model.model.layers), config.num_key_value_heads, attn.head_dim
+        self.pages_per_request = pages_for(settings.max_request_tokens, settings.page_size)
+        pages = settings.num_pages or self._pages_that_fit(config, layers, kv_heads, head_dim, dtype)
+        if pages < self.pages_per_request + 1:
+            raise GenerationError(f"the KV cache holds {pages - 1} pages of {settings.page_size} tokens, fewer than one "
+                                  f"request of {settings.max_request_tokens} tokens needs; lower --max-length or "
+                                  "--max-new-tokens, or free device memory")
+        cache = PagedKVCache.allocate(layers, pages, settings.page_size, kv_heads, head_dim, dtype, self.device)
+        compiled = settings.compile if settings.compile is not None else self.device.type == "cuda"
+        self.decoder = PagedDecoder(model, cache, settings.max_request_tokens, compile=compiled)
+        self.kv_bytes_per_token = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, dtype)
+        self._free_pages = list(range(pages - 1, 0, -1))  # page 0 is scratch
+        slots = settings.max_batch
+        self._free_slots = list(range(slots - 1, -1, -1))
+        self.scratch_slot = slots
+        on_device = {"device": self.device, "dtype": torch.long}
+        self.slot_token = torch.zeros(slots + 1, **on_device)
+        self.slot_position = torch.zeros(slots + 1, **on_device)
+        self.slot_prompt_length = torch.zeros(slots + 1, **on_device)
+        self.slot_key = torch.zeros(slots + 1, **on_device)
+        self.block_table = torch.zeros(slots + 1, self.pages_per_request, dtype=torch.int32, device=self.device)
+        self._queue: deque[tuple[Hashable, Request]] = deque()
+        self._running: dict[int, _Running] = {}
+        self._context_tokens = 0  # cached tokens of the running requests: what the next decode step reads
+        use_graphs = settings.cuda_graphs if settings.cuda_graphs is not None else self.device.type == "cuda"
+        if use_graphs and self.device.type != "cuda":
+            raise GenerationError("cuda_graphs needs a CUDA device")
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._rows_in_graph: dict[int, list[int]] = {}
+        self.stats = {"decode_steps": 0, "decode_rows": 0, "kv_tokens_read": 0, "prefill_tokens": 0,
+                      "prefills": 0, "generated_tokens": 0, "requests": 0, "prefill_seconds": 0.0,
+                      "decode_seconds": 0.0, "warmup_seconds": 0.0, "kv_cache_pages": pages,
+                      "page_size": settings.page_size}
+        if use_graphs:
+            self._capture_graphs()
+
+    def _workspace_bytes(self, config, dtype: torch.dtype) -> int:
+        """Device memory to leave beside the cache: twice the estimated peak of one prefill (hidden-
+        size and MLP-size activations of `prefill_tokens`) plus the decode logits and sampling buffers,
+        so the allocator never has to free and retry mid-prefill, which slows prefill severalfold."""
+        element = torch.empty((), dtype=dtype).element_size()
+        prefill = self.settings.prefill_tokens * (10 * config.hidden_size + 6 * config.intermediate_size) * element
+        logits = self.settings.max_batch * config.vocab_size * 16  # float32 logits, sorted copy, cumsum
+        return 2 * (prefill + logits) + WORKSPACE_MARGIN_BYTES
+
+    def _pages_that_fit(self, config, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        per_page = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, dtype) * self.settings.page_size
+        if self.device.type != "cuda":
+            return self.settings.max_batch * self.pages_per_request + 1
+        torch.cuda.empty_cache()  # what the allocator caches counts as used in mem_get_info
+        free, _ = torch.cuda.mem_get_info(self.device)
+        usable = free - self._workspace_bytes(config, dtype)
+        # no more than every row at full length could use
+        return max(1, min(usable // per_page, self.settings.max_batch * self.pages_per_request + 1))
+
+    # ---------------------------------------------------------------- requests in, replies out
+
+    def add(self, request_id: Hashable, request: Request) -> None:
+        """Queue a request; `step()` returns its reply under `request_id` when it is done."""
+        need = len(request.prompt) + request.max_new_tokens
+        if not request.prompt or request.max_new_tokens < 1:
+            raise GenerationError(f"request {request_id!r}: empty prompt or max_new_tokens < 1")
+        if need > self.settings.max_request_tokens:
+            raise GenerationError(f"request {request_id!r}: prompt {len(request.prompt)} + {request.max_new_tokens} new "
+                                  f"tokens exceed the engine's {self.settings.max_request_tokens} tokens per request")
+        self._queue.append((request_id, request))
+
+    @property
+    def running(self) -> int:
+        """Requests being decoded now."""
+        return len(self._running)
+
+    @property
+    def pending(self) -> int:
+        """Requests queued or running."""
+        return len(self._queue) + len(self._running)
+
+    def generate(self, requests: Sequence[Request], on_step: Callable[[int], None] | None = None) -> list[Reply]:
+        """Replies to `requests`, in order. `on_step(tokens generated in the step)` after each step."""
+        for i, request in enumerate(requests):
+            self.add(i, request)
+        replies: list[Reply | None] = [None] * len(requests)
+        while self.pending:
+            before = self.stats["generated_tokens"]
+            for i, reply in self.step():
+                replies[i] = reply
+            if on_step is not None:
+                on_step(self.stats["generated_tokens"] - before)
+        return replies  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, Reply]]:
+        """Admit and prefill waiting prompts if enough rows are free, then decode one token for
+        every running request; returns the requests that finished in this step."""
+        finished: list[tuple[Hashable, Reply]] = []
+        free_needed = max(1, int(self.settings.max_batch * self.settings.admit_fraction))
+        if self._queue and (len(self._free_slots) >= free_needed or len(self._running) < free_needed):
+            finished += self._admit()
+        if self._running:
+            finished += self._decode()
+        return finished
+
+    # ---------------------------------------------------------------- prefill
+
+    def _admit(self) -> list[tuple[Hashable, Reply]]:
+        finished = []
+        while self._queue and self._free_slots:
+            batch: list[_Running] = []
+            tokens = 0
+            while self._queue and self._free_slots:
+                request_id, request = self._queue[0]
+                pages = pages_for(len(request.prompt) + request.max_new_tokens, self.settings.page_size)
+                too_long = batch and tokens + len(request.prompt) > self.settings.prefill_tokens
+                if too_long or pages > len(self._free_pages):
+                    break
+                self._queue.popleft()
+                batch.append(_Running(request_id, request, self._free_slots.pop(),
+                                      [self._free_pages.pop() for _ in range(pages)]))
+                tokens += len(request.prompt)
+            if not batch:
+                if not self._running:  # nothing will ever free pages: the pool is too small
+                    raise GenerationError(f"request {self._queue[0][0]!r} needs more KV-cache pages than exist")
+                break
+            finished += self._prefill(batch)
+        return finished
+
+    def _prefill(self, batch: list[_Running]) -> list[tuple[Hashable, Reply]]:
+        start = time.perf_counter()
+        page = self.settings.page_size
+        ids, positions, cache_index = [], [], []
+        for run in batch:
+            n = len(run.request.prompt)
+            ids.extend(run.request.prompt)
+            positions.extend(range(n))
+            cache_index.extend(run.pages[t // page] * page + t % page for t in range(n))
+            table = torch.zeros(self.pages_per_request, dtype=torch.int32)
+            table[: len(run.pages)] = torch.tensor(run.pages, dtype=torch.int32)
+            self.block_table[run.slot].copy_(table)
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(self.device)
+
+        logits = self.decoder.prefill(as_tensor(ids), as_tensor(positions), as_tensor(cache_index),
+                                      [len(r.request.prompt) for r in batch])
+        slots = as_tensor([r.slot for r in batch])
+        keys = as_tensor([r.request.key for r in batch])
+        first = choose_tokens(logits, keys, torch.zeros_like(keys), self.sampling)
+        lengths = as_tensor([len(r.request.prompt) for r in batch])
+        self.slot_token[slots] = first
+        self.slot_position[slots] = lengths
+        self.slot_prompt_length[slots] = lengths
+        self.slot_key[slots] = keys
+        tokens = first.tolist()
+        self.stats["prefill_tokens"] += len(ids)
+        self.stats["prefills"] += 1
+        self.stats["requests"] += len(batch)
+        for run in batch:
+            self._running[run.slot] = run
+        self._context_tokens += len(ids)
+        done = self._take_tokens([r.slot for r in batch], tokens)
+        self.stats["prefill_seconds"] += time.perf_counter() - start
+        return done
+
+    # ---------------------------------------------------------------- decode
+
+    def _decode_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The decode step over slot ids `rows` (capturable): next token of each row, slot state advanced."""
+        positions = self.slot_position[rows]
+        logits = self.decoder.decode(self.slot_token[rows], positions, self.block_table[rows])
+        steps = positions - self.slot_prompt_length[rows] + 1  # index of the new token in the reply
+        nxt = choose_tokens(logits, self.slot_key[rows], steps, self.sampling)
+        self.slot_token[rows] = nxt
+        self.slot_position[rows] = positions + 1
+        self.slot_position[self.scratch_slot :].zero_()  # padding rows never move the scratch slot
+        return nxt
+
+    def _decode(self) -> list[tuple[Hashable, Reply]]:
+        start = time.perf_counter()
+        slots = sorted(self._running)
+        if self._graphs:
+            size = next(b for b in sorted(self._graphs) if b >= len(slots))
+            graph, rows, out = self._graphs[size]
+            padded = slots + [self.scratch_slot] * (size - len(slots))
+            if self._rows_in_graph.get(size) != padded:
+                rows.copy_(torch.tensor(padded, dtype=torch.long))
+                self._rows_in_graph[size] = padded
+            graph.replay()
+            tokens = out[: len(slots)].tolist()
+        else:
+            tokens = self._decode_rows(torch.tensor(slots, dtype=torch.long, device=self.device)).tolist()
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(slots)
+        self.stats["kv_tokens_read"] += self._context_tokens
+        done = self._take_tokens(slots, tokens)
+        self.stats["decode_seconds"] += time.perf_counter() - start
+        return done
+
+    def _capture_graphs(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        with torch.inference_mode():
+            for size in sorted(_buckets(self.settings.max_batch), reverse=True):  # largest first: the pool fits all
+                rows = torch.full((size,), self.scratch_slot, dtype=torch.long, device=self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # warm-up outside capture: lazy kernel loads and library handles
+                        self._decode_rows(rows)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._decode_rows(rows)
+                self._graphs[size] = (graph, rows, out)
+        torch.cuda.synchronize(self.device)
+        self.stats["warmup_seconds"] += time.perf_counter() - start
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _take_tokens(self, slots: list[int], tokens: list[int]) -> list[tuple[Hashable, Reply]]:
+        done = []
+        self._context_tokens += len(tokens)
+        for slot, token in zip(slots, tokens):
+            run = self._running[slot]
+            run.reply.tokens.append(token)
+            if token in self.stop_ids:
+                run.reply.finished = True
+            if run.reply.finished or len(run.reply.tokens) >= run.request.max_new_tokens:
+                del self._running[slot]
+                self._context_tokens -= len(run.request.prompt) + len(run.reply.tokens)
+                self._free_slots.append(slot)
+                self._free_pages.extend(run.pages)
+                done.append((run.request_id, run.reply))
+        self.stats["generated_tokens"] += len(tokens)
+        return done

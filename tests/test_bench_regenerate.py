@@ -1,0 +1,55 @@
+"""bench/regenerate.py end to end on CPU at tiny sizes: every contender runs, each reply ends at its
+drawn length, and the JSON carries the rates, the bounds and the recipe estimate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.regenerate import draw_lengths, main
+
+
+def test_bench_regenerate_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "regenerate.json"
+    returned = main(["--shape", "tiny", "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
+                     "--max-prompt", "24", "--max-reply", "12", "--batch", "4", "--sampled", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["errors"] == [] and "partial" not in result
+    assert set(result) >= {"workload", "copy_bandwidth_GBps", "weight_bytes", "weight_bytes_read_per_step",
+                           "kv_bytes_per_token", "engine", "hf_generate", "recipe_estimate"}
+    drawn = result["workload"]["reply_tokens"]["total"]
+    assert result["workload"]["requests"] == 6
+    # tiny target: 4 layers x 2 kv heads x head_dim 16, float32
+    assert result["kv_bytes_per_token"] == 2 * 4 * 2 * 16 * 4
+    assert result["weight_bytes_read_per_step"] < result["weight_bytes"]  # untied: the embedding table is left out
+
+    assert [(r["batch"], r["sampling"]) for r in result["engine"]] == [(4, "greedy"), (4, "sampled")]
+    for row in result["engine"]:
+        assert row["generated_tokens"] == row["stats"]["generated_tokens"] == row["useful_tokens"] == drawn
+        assert row["length_mismatches"] == 0 and row["finished_by_stop"] == 0
+        assert row["stats"]["requests"] == 6  # this call's counters only, not the warm-up's
+        assert row["tokens_per_s"] > 0 and row["bound_tok_s"] > 0 and row["schedule_bound_tok_s"] > 0
+        assert 0 < row["fraction_of_bound"] and 0 < row["fraction_of_schedule_bound"]
+        assert row["mean_active_rows"] <= 4
+        assert {"vs_hf_batch32", "vs_hf_batch256"} <= set(row)
+    # float32 on CPU: the engine's greedy replies are HF's
+    agreement = result["engine"][0]["greedy_agreement_hf_batch32"]
+    assert agreement["rows"] > 0 and agreement["common_prefix_fraction"] == 1.0
+
+    assert [r["batch"] for r in result["hf_generate"]] == [32, 256]
+    for row in result["hf_generate"]:
+        assert row["requests"] == 4 and row["length_mismatches"] == 0
+        assert row["useful_tokens"] == row["generated_tokens"] == row["drawn_tokens"] > 0
+
+    est = result["recipe_estimate"]
+    for key in ("regen_engine_h", "regen_old_hf_batch32_h", "extract_h", "train_h", "total_engine_h"):
+        assert est[key] > 0
+    assert returned["workload"] == result["workload"]
+
+
+def test_draw_lengths_hits_the_mean_within_the_range() -> None:
+    import numpy as np
+
+    lengths = draw_lengths(np.random.default_rng(0), 2000, 64, 1024, 300, 0.7)
+    assert lengths.min() >= 64 and lengths.max() <= 1024
+    assert abs(lengths.mean() - 300) < 1

@@ -1,0 +1,108 @@
+"""The continuous-batching engine: greedy replies equal HF `generate` one prompt at a time; sampled
+replies depend on the request alone (not on batch size, order or company); the sampler draws from the
+filtered distribution; targets and requests it cannot run are refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from dflash.shared.generation.decoder import GenerationError
+from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
+from dflash.shared.generation.sampling import SamplingParams, choose_tokens, request_key, uniforms
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request, tiny_target_dir, tiny_llama_dir):
+    folder = tiny_target_dir if request.param == "qwen3" else tiny_llama_dir
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def workload(n: int, seed: int = 0) -> list[Request]:
+    """Prompts of 3..40 random ids, each with its own max_new_tokens (1..30)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 41, (n,), generator=g).tolist()
+    news = torch.randint(1, 31, (n,), generator=g).tolist()
+    return [Request(torch.randint(5, 700, (L,), generator=g).tolist(), m, key=request_key(seed, i))
+            for i, (L, m) in enumerate(zip(lengths, news))]
+
+
+def hf_greedy(model, request: Request, stops: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([list(request.prompt)]), max_new_tokens=request.max_new_tokens, do_sample=False,
+                         eos_token_id=stops or None, pad_token_id=0, attention_mask=torch.ones(1, len(request.prompt)))
+    return out[0, len(request.prompt):].tolist()
+
+
+def engine(model, max_batch: int, sampling: SamplingParams = SamplingParams(), stops=(), page_size: int = 4):
+    return GenerationEngine(model, stop_ids=stops, sampling=sampling,
+                            settings=EngineSettings(max_batch=max_batch, max_request_tokens=80, page_size=page_size))
+
+
+def test_greedy_replies_equal_hf_generate_one_prompt_at_a_time(model):
+    requests = workload(10)
+    # stop ids that occur inside some greedy replies, so several requests stop mid-reply
+    free = [hf_greedy(model, r, []) for r in requests]
+    stops = sorted({reply[len(reply) // 2] for reply in free[:4] if len(reply) > 2})
+    want = [hf_greedy(model, r, stops) for r in requests]
+    assert any(len(w) < r.max_new_tokens for w, r in zip(want, requests))  # some stopped early
+    # 3 rows for 10 requests: rows are reused; page size 4: contexts cross many page boundaries
+    replies = engine(model, 3, stops=stops).generate(requests)
+    assert [r.tokens for r in replies] == want
+    assert [r.finished for r in replies] == [w[-1] in stops for w in want]
+
+
+def test_sampled_replies_depend_on_the_request_alone(model):
+    requests = workload(9, seed=1)
+    sampling = SamplingParams(temperature=1.3, top_p=0.9, top_k=50)
+    alone = [engine(model, 1, sampling).generate([r])[0].tokens for r in requests[:3]]
+    batched = [r.tokens for r in engine(model, 4, sampling).generate(requests)]
+    reordered = engine(model, 3, sampling, page_size=8).generate(requests[::-1])
+    assert batched[:3] == alone
+    assert [r.tokens for r in reordered][::-1] == batched
+    rekeyed = [Request(r.prompt, r.max_new_tokens, key=r.key + 1) for r in requests]
+    assert [r.tokens for r in engine(model, 4, sampling).generate(rekeyed)] != batched
+
+
+def test_uniforms_are_a_pure_function_of_key_and_step():
+    keys = torch.tensor([request_key(0, i) for i in range(4096)])
+    steps = torch.arange(4096)
+    u = uniforms(keys, steps)
+    assert torch.equal(u, uniforms(keys.flip(0), steps.flip(0)).flip(0))
+    assert u.min() >= 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.02 and abs(u.var().item() - 1 / 12) < 0.005
+    assert len(torch.unique(u)) > 4000
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3),
+                                    SamplingParams(temperature=1.2, top_p=0.8)])
+def test_sampler_draws_from_the_filtered_distribution(params):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    want = torch.softmax(logits / params.temperature, dim=0)
+    if params.top_k:
+        want[torch.argsort(want, descending=True)[params.top_k:]] = 0
+    if params.top_p < 1:
+        order = torch.argsort(want, descending=True)
+        before = torch.cumsum(want[order], 0) - want[order]
+        want[order[before >= params.top_p]] = 0
+    want /= want.sum()
+    n = 40_000
+    tokens = choose_tokens(logits.expand(n, -1).contiguous(), torch.full((n,), request_key(7)), torch.arange(n), params)
+    seen = torch.bincount(tokens, minlength=len(logits)).double() / n
+    assert seen[want == 0].sum() == 0  # filtered tokens never come
+    assert 0.5 * (seen - want).abs().sum() < 0.01  # total variation; the unfiltered softmax is >= 0.03 away
+
+
+def test_unsupported_architecture_is_refused_with_the_reason():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(GenerationError, match=r"model_type 'gpt2'.*vLLM or SGLang"):
+        engine(gpt2, 2)
+
+
+def test_requests_beyond_the_capacity_are_refused(model):
+    eng = engine(model, 2)
+    with pytest.raises(GenerationError, match="exceed"):
+        eng.add("long", Request(list(range(5, 75)), max_new_tokens=20))
+    with pytest.raises(GenerationError, match="KV cache"):
+        GenerationEngine(model, stop_ids=[], sampling=SamplingParams(),
+                         settings=EngineSettings(max_batch=2, max_request_tokens=80, page_size=4, num_pages=10))
