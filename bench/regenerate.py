@@ -258,6 +258,39 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device)
     return row
 
 
+def profile_prefill(model, prompts, n: int, args, device) -> dict:
+    """torch.profiler over one admission's prefill of the first `n` prompts (each asks for one token,
+    so the call is the prefill alone), after one unprofiled call of the same shape: where its time
+    goes, by operator (self device time and self host time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
+    from dflash.shared.generation.sampling import SamplingParams
+
+    requests = [Request(prompt=p, max_new_tokens=1) for p in prompts[:n]]
+    settings = EngineSettings(max_batch=max(n, 1), max_request_tokens=max(len(p) for p in prompts[:n]) + 1,
+                              page_size=args.page_size, cuda_graphs=False)
+    engine = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings)
+    engine.generate(requests)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        engine.generate(requests)
+        sync(device)
+    seconds = time.perf_counter() - t
+    events = prof.key_averages()
+    device_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+
+    def top(key: str) -> list[dict]:
+        rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:args.profile_top]
+        return [{"op": e.key, "calls": e.count, "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
+                 "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in rows]
+
+    return {"prompts": n, "prompt_tokens": sum(len(p) for p in prompts[:n]), "seconds": seconds,
+            "by_device_time": top(device_key), "by_host_time": top("self_cpu_time_total")}
+
+
 class EndAtDrawnLength(LogitsProcessor):
     """HF logits processor: row r gets the eos id banned before its drawn length and forced at it,
     so it stops exactly there, like a chat reply ending (without it, a random model never stops)."""
@@ -407,6 +440,9 @@ def parse_args(argv=None):
                     help="HF runs on the first N requests [default: max(64, its batch)]")
     ap.add_argument("--baseline-max-new-tokens", type=int, default=256, help="HF replies capped at this length")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                    help="also profile one prefill of the first N prompts (operators by device and host time)")
+    ap.add_argument("--profile-top", type=int, default=12, help="operators listed by --profile-prefill")
     ap.add_argument("--compare-rows", type=int, default=64, help="greedy engine vs HF token agreement over the first N requests")
     r = ap.add_argument_group("recipe estimate (regeneration rates measured here; the rest from bench/RESULTS.md)")
     r.add_argument("--recipe-conversations", type=int, default=800_000)
@@ -503,6 +539,16 @@ def main(argv=None) -> dict:
         if row:
             print(f"hf_generate batch {batch}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
             result["hf_generate"].append(row)
+
+    if args.profile_prefill:
+        profiled = attempt("profile prefill", lambda: profile_prefill(model, prompts, args.profile_prefill, args, device))
+        if profiled:
+            result["prefill_profile"] = profiled
+            print(f"prefill of {profiled['prompts']} prompts ({profiled['prompt_tokens']:,} tokens), profiled: "
+                  f"{profiled['seconds'] * 1e3:.0f} ms", flush=True)
+            for what in ("by_device_time", "by_host_time"):
+                print(f"  top ops {what.replace('_', ' ')}: " + "; ".join(
+                    f"{r['op']} x{r['calls']} {r['self_device_ms']:.1f}/{r['self_cpu_ms']:.1f} ms" for r in profiled[what]))
 
     hf = {r["batch"]: r for r in result["hf_generate"]}
     for row in result["engine"]:

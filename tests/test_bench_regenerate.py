@@ -12,7 +12,8 @@ from bench.regenerate import draw_lengths, main
 def test_bench_regenerate_smoke(tmp_path: Path) -> None:
     out = tmp_path / "regenerate.json"
     returned = main(["--shape", "tiny", "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
-                     "--max-prompt", "24", "--max-reply", "12", "--batch", "4", "--sampled", "--json", str(out)])
+                     "--max-prompt", "24", "--max-reply", "12", "--batch", "4", "--sampled", "--profile-prefill", "3",
+                     "--json", str(out)])
     result = json.loads(out.read_text())
     assert result["errors"] == [] and "partial" not in result
     assert set(result) >= {"workload", "copy_bandwidth_GBps", "weight_bytes", "weight_bytes_read_per_step",
@@ -40,6 +41,10 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
     for row in result["hf_generate"]:
         assert row["requests"] == 4 and row["length_mismatches"] == 0
         assert row["useful_tokens"] == row["generated_tokens"] == row["drawn_tokens"] > 0
+
+    profiled = result["prefill_profile"]
+    assert profiled["prompts"] == 3 and profiled["by_host_time"] and profiled["by_device_time"]
+    assert any("mm" in r["op"] for r in profiled["by_host_time"])  # the projections ran inside the profile
 
     est = result["recipe_estimate"]
     for key in ("regen_engine_h", "regen_old_hf_batch32_h", "extract_h", "train_h", "total_engine_h"):
