@@ -32,7 +32,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 demo: install
-	$(BIN)/python -m dflash.demo --out runs/demo
+	$(BIN)/python -m dflash_pipeline.demo --out runs/demo
 
 extract: install
 	@test -n "$(TARGET)" -a -n "$(DATA)" || { echo "make extract: set TARGET=<model folder> DATA=<data file or folder>"; exit 2; }

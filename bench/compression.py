@@ -80,7 +80,7 @@ def load_smollm2(cache: Path):
 @torch.no_grad()
 def real_hidden_states(model, tokenizer, data: Path, n_tokens: int, seq_len: int) -> tuple[np.ndarray, list[int]]:
     """bf16 bits [n_tokens, 5*hidden] of 5 evenly spaced layers over real chat samples, plus lengths."""
-    from dflash.data.records import iter_records
+    from dflash_pipeline.data.records import iter_records
 
     n_layers = model.config.num_hidden_layers
     layer_ids = np.linspace(1, n_layers - 3, 5).round().astype(int).tolist()
@@ -137,8 +137,8 @@ def codec_speed(spec: str, hidden: np.ndarray, chunk: int) -> tuple[float, float
 
 
 def measure(spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, repeats: int, chunk: int, shard: int) -> dict:
-    from dflash.shared.manifest import mark_complete, new_manifest
-    from dflash.shared.store import FeatureStore, StoreWriter
+    from dflash_pipeline.shared.manifest import mark_complete, new_manifest
+    from dflash_pipeline.shared.store import FeatureStore, StoreWriter
 
     width = hidden.shape[1]
     offsets = np.cumsum([0] + lengths)

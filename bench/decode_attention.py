@@ -1,6 +1,6 @@
 """Paged decode attention on one GPU: the Triton kernel against the device's copy bandwidth and the torch reference.
 
-What is timed: `dflash.shared.generation.paged_attention` for one decode step of one layer at
+What is timed: `dflash_pipeline.shared.generation.paged_attention` for one decode step of one layer at
 Qwen3-8B's attention shapes (32 query heads, 8 kv heads, head_dim 128, bf16), page size 64, batches
 64 and 256, random context lengths (uniform in [mean - w, mean + w] inside 100..2500, means 550 and
 1500), every row's pages scattered over the pool.
@@ -117,7 +117,7 @@ def copy_bandwidth(gigabytes: float, repeats: int = 10) -> float:
 
 
 def bench_shape(b: int, mean: int, args, copy_bps: float, seed: int) -> dict:
-    from dflash.shared.generation.paged_attention import (
+    from dflash_pipeline.shared.generation.paged_attention import (
         _default_splits,
         _default_stages,
         _default_warps,

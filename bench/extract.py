@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from bench import emit
-from dflash.data.tokenize import TokenizedSample
-from dflash.extract.plan import padded_fraction, plan_batches
-from dflash.extract.target import HiddenStateCapture, compile_decoder_layers, decoder_layers, drop_unused_modules
-from dflash.extract.worker import BatchRunner, run_batches
-from dflash.shared.drafter import default_target_layer_ids
-from dflash.shared.store import DEFAULT_COMPRESSION, WRITE_STREAMS, StoreWriter
+from dflash_pipeline.data.tokenize import TokenizedSample
+from dflash_pipeline.extract.plan import padded_fraction, plan_batches
+from dflash_pipeline.extract.target import HiddenStateCapture, compile_decoder_layers, decoder_layers, drop_unused_modules
+from dflash_pipeline.extract.worker import BatchRunner, run_batches
+from dflash_pipeline.shared.drafter import default_target_layer_ids
+from dflash_pipeline.shared.store import DEFAULT_COMPRESSION, WRITE_STREAMS, StoreWriter
 
 
 def qwen3_8b_config(num_layers: int):
@@ -226,7 +226,7 @@ def main() -> None:
     for compiled in ([] if args.skip_eager else [False]) + ([] if args.no_compile else [True]):
         key = "forward_only_compiled" if compiled else "forward_only"
         if compiled:
-            from dflash.shared.attention import CompileCounter
+            from dflash_pipeline.shared.attention import CompileCounter
 
             compile_decoder_layers(model)
             with CompileCounter() as counter:

@@ -18,7 +18,7 @@ for wheels in .carry_b/wheels .carry_a/wheels .carry/wheels; do [ -d $wheels ] &
 [ -d $wheels ] || { echo "no wheels: carry .carry, .carry_a or .carry_b"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
   --target /tmp/site $wheels/*.whl . || { echo "install failed"; exit 1; }
-# the checkout has a dflash/ folder of its own: keep the cwd off sys.path so the installed package wins
+# the checkout has a dflash_pipeline/ folder of its own: keep the cwd off sys.path so the installed package wins
 export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 status=0
 
@@ -44,7 +44,7 @@ for s in $steps; do
     extract) step bench_extract 480 python3 -m bench.extract --out-dir /tmp/bench_extract --json "$OUT/extract.json" --samples 480 ${EXTRACT_ARGS:-} ;;
     smoke) step smoke 240 bash -c '
       set -e; d=/tmp/smoke; rm -rf $d
-      python3 -c "import sys; from dflash.data.tiny_target import build_tiny_target as b; b(sys.argv[1], num_layers=6, hidden=128)" $d/target
+      python3 -c "import sys; from dflash_pipeline.data.tiny_target import build_tiny_target as b; b(sys.argv[1], num_layers=6, hidden=128)" $d/target
       dflash-extract --target $d/target --data data/sample/conversations.jsonl --out $d/store --gpus 0 --max-length 512 --regenerate --max-new-tokens 64 --limit 128
       dflash-train --store $d/store --out $d/train --gpus 0 --num-layers 2 --block-size 8 --pack-tokens 2048 \
         --num-blocks 128 --max-steps 60 --eval-every 30 --checkpoint-every 30 --lr 2e-3 --eval-samples 16

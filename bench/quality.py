@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench import emit
 from bench.compression import installed_sharegpt, smollm2_folder
-from dflash.demo import run_step
+from dflash_pipeline.demo import run_step
 
 TRAIN_FILE, EVAL_FILE = "train_prompts.jsonl", "eval_prompts.jsonl"
 
@@ -39,7 +39,7 @@ def first_turn_prompts(out: Path, n_train: int, n_eval: int, source: Path | None
     first human turns only, each normalised prompt once (ShareGPT repeats "continue" and the like, and a
     repeated prompt gets the same greedy reply: a held-out copy of a training prompt measures memory).
     Written as `out`/train_prompts.jsonl and `out`/eval_prompts.jsonl, the layout --prompts reads."""
-    from dflash.data.records import iter_records
+    from dflash_pipeline.data.records import iter_records
 
     rows, seen = [], set()
     for record in iter_records(source or installed_sharegpt(), skip_bad=True):
@@ -59,7 +59,7 @@ def untrained_copy(trained: Path, out: Path, seed: int = 1) -> Path:
     """A drafter of the trained one's exact config with fresh random weights."""
     import torch
 
-    from dflash.shared.drafter import DFlashDrafter
+    from dflash_pipeline.shared.drafter import DFlashDrafter
 
     config = DFlashDrafter.from_pretrained(trained).config
     torch.manual_seed(seed)
@@ -112,14 +112,14 @@ def main() -> None:
     cli = [sys.executable, "-m"]
     t0 = time.perf_counter()
     run_step("extract", [
-        *cli, "dflash.extract.cli", "--target", str(target), "--data", str(train_prompts), "--out", str(out / "store"),
+        *cli, "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(train_prompts), "--out", str(out / "store"),
         "--limit", str(args.train_prompts), "--regenerate", "--skip-bad", "--max-new-tokens", str(args.max_new_tokens),
         *(["--gen-batch-size", str(args.gen_batch_size)] if args.gen_batch_size else []),
         "--max-length", "1024", *where, *dtype])
     t1 = time.perf_counter()
     train_where = ["--device", "cpu", "--workers", str(args.train_workers)] if args.device == "cpu" else where
     run_step("train", [
-        *cli, "dflash.train.cli", "--store", str(out / "store"), "--out", str(out / "train"), *train_where,
+        *cli, "dflash_pipeline.train.cli", "--store", str(out / "store"), "--out", str(out / "train"), *train_where,
         "--num-layers", str(args.num_layers), "--block-size", str(args.block_size),
         "--pack-tokens", str(args.pack_tokens), "--num-blocks", str(args.num_blocks), "--max-steps", str(args.steps), "--epochs", str(args.epochs),
         "--eval-every", str(max(1, args.steps // 4)), "--checkpoint-every", str(max(1, args.steps // 4)),
@@ -134,7 +134,7 @@ def main() -> None:
         # float32 on either device: the lossless check compares two decoders token for token, and
         # bf16 rounding can differ between a one-token step and a verified block.
         run_step(f"evaluate {name}", [
-            *cli, "dflash.train.eval_cli", "--target", str(target), "--drafter", str(drafter),
+            *cli, "dflash_pipeline.train.eval_cli", "--target", str(target), "--drafter", str(drafter),
             "--prompts", str(eval_prompts), "--limit", str(args.eval_prompts),
             "--max-new-tokens", str(args.eval_max_new_tokens or args.max_new_tokens), "--device", args.device,
             "--dtype", "float32", "--json", str(path)])

@@ -1,7 +1,7 @@
 """Reply regeneration throughput on one GPU: the continuous-batching engine against HF `generate`, same run.
 
 `dflash-extract --regenerate` rewrites every assistant reply with the target's own. Contenders:
-- engine: `dflash.shared.generation` (continuous batching, paged KV cache, CUDA-graph decode) at
+- engine: `dflash_pipeline.shared.generation` (continuous batching, paged KV cache, CUDA-graph decode) at
   `--batch` concurrent requests (repeatable), greedy (and temperature 1 / top-p 0.95 with `--sampled`);
 - HF: the previous path, `model.generate` on static, prompt-length-sorted, left-padded batches
   (`--baseline-batch`, repeatable: 32, the old default, and 256), greedy. It is slow, so it runs on the
@@ -87,8 +87,8 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     if args.target:
-        from dflash.extract.assets import load_tokenizer
-        from dflash.extract.target import load_full_target
+        from dflash_pipeline.extract.assets import load_tokenizer
+        from dflash_pipeline.extract.target import load_full_target
 
         model = load_full_target(args.target, device=device, dtype=dtype)
         tokenizer = load_tokenizer(args.target)
@@ -104,7 +104,7 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         what = f"Qwen3-8B shape, random {dtype_name(dtype)} weights"
         return model, allowed, QWEN3_IM_END_ID, what
     else:
-        from dflash.data.tiny_target import build_tiny_target
+        from dflash_pipeline.data.tiny_target import build_tiny_target
         from transformers import AutoTokenizer
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -213,8 +213,8 @@ def stats_of_call(before: dict, after: dict) -> dict:
 
 
 def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device) -> dict:
-    from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
-    from dflash.shared.generation.sampling import SamplingParams
+    from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
+    from dflash_pipeline.shared.generation.sampling import SamplingParams
 
     sampling = (SamplingParams(temperature=1.0, top_p=0.95, top_k=0) if sampled
                 else SamplingParams(temperature=0.0, top_p=1.0, top_k=0))
@@ -264,8 +264,8 @@ def profile_prefill(model, prompts, n: int, args, device) -> dict:
     goes, by operator (self device time and self host time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
-    from dflash.shared.generation.sampling import SamplingParams
+    from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
+    from dflash_pipeline.shared.generation.sampling import SamplingParams
 
     requests = [Request(prompt=p, max_new_tokens=1) for p in prompts[:n]]
     settings = EngineSettings(max_batch=max(n, 1), max_request_tokens=max(len(p) for p in prompts[:n]) + 1,

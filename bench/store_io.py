@@ -22,8 +22,8 @@ import numpy as np
 import zarr
 
 from bench import emit
-from dflash.shared.manifest import mark_complete, new_manifest
-from dflash.shared.store import FeatureStore, StoreWriter, finished_shards, rank_group_name
+from dflash_pipeline.shared.manifest import mark_complete, new_manifest
+from dflash_pipeline.shared.store import FeatureStore, StoreWriter, finished_shards, rank_group_name
 
 
 def _rows(tokens: int, width: int) -> np.ndarray:

@@ -26,17 +26,17 @@ import torch
 
 from bench import emit
 from bench.extract import matmul_tflops, qwen3_8b_config
-from dflash.shared.blocks import default_gamma
-from dflash.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
-from dflash.train.dataset import PackSpec, StepDataset, StepPlan
-from dflash.train.step import pack_loss, to_device
+from dflash_pipeline.shared.blocks import default_gamma
+from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
+from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan
+from dflash_pipeline.train.step import pack_loss, to_device
 
 S, N, B = 4096, 256, 16
 
 
 def synthetic_batch(width: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """One pack of four documents with dense anchors, built by the trainer's own code."""
-    from dflash.shared.blocks import build_blocks, sample_anchors
+    from dflash_pipeline.shared.blocks import build_blocks, sample_anchors
 
     g = torch.Generator().manual_seed(seed)
     doc = torch.empty(S, dtype=torch.long)
@@ -91,8 +91,8 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> fl
 
 def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: int, compression: str | None = None) -> None:
     """A complete on-disk store of random features, written by the real writer and manifest code."""
-    from dflash.shared import manifest as mf
-    from dflash.shared.store import StoreWriter
+    from dflash_pipeline.shared import manifest as mf
+    from dflash_pipeline.shared.store import StoreWriter
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(mean_len // 2, mean_len * 3 // 2, samples)
@@ -157,8 +157,8 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
     grows with the worker count, the workers contend for something (memory bandwidth, cores, the disk)."""
     from torch.utils.data import DataLoader
 
-    from dflash.shared.store import FeatureStore
-    from dflash.train.feed import device_batches
+    from dflash_pipeline.shared.store import FeatureStore
+    from dflash_pipeline.train.feed import device_batches
 
     plan = one_pack_steps(FeatureStore(root))
     warm = 1 if path == "inline" else max(1, workers)
@@ -189,7 +189,7 @@ def host_to_device_rates(width: int, repeats: int = 5) -> dict[str, float]:
     """GB/s of copying one pack's hidden states to the GPU from page-locked shared memory (the
     feed's slots), from pinned memory of torch's allocator, and from ordinary memory: the ceiling on
     packs/s that no loader can pass (one DMA per pack)."""
-    from dflash.train.feed import SlotLayout, SlotRing
+    from dflash_pipeline.train.feed import SlotLayout, SlotRing
 
     ring = SlotRing(1, SlotLayout.of({"hidden": ((S, width), torch.bfloat16)}), pin=True)
     sources = {"registered_shared": ring.views(0)["hidden"], "pinned": torch.empty(S, width, dtype=torch.bfloat16).pin_memory(),
@@ -235,8 +235,8 @@ def build_profile(root: Path, packs: int = 6, top: int = 8) -> list[tuple[str, f
     import cProfile
     import pstats
 
-    from dflash.shared.store import FeatureStore
-    from dflash.train.dataset import build_batch
+    from dflash_pipeline.shared.store import FeatureStore
+    from dflash_pipeline.train.dataset import build_batch
 
     store = FeatureStore(root)
     plan = one_pack_steps(store)
@@ -255,7 +255,7 @@ def build_profile(root: Path, packs: int = 6, top: int = 8) -> list[tuple[str, f
 def attention_only(cfg: DFlashConfig, batch: dict[str, torch.Tensor], iters: int = 20) -> dict[str, float]:
     """Forward + backward of one attention call at the drafter's shapes and this batch's mask:
     compiled flex with its BlockMask against SDPA with the same rule as a dense bool mask."""
-    from dflash.shared import attention as attn
+    from dflash_pipeline.shared import attention as attn
 
     mask_args = [batch[k] for k in ("anchor_pos", "block_doc", "block_valid", "context_doc")]
     block_mask = attn.build_block_mask(*mask_args, B, device="cuda")
@@ -309,7 +309,7 @@ def main() -> None:
     flops = step_flops(cfg, batch)
     result = {"drafter_layers": args.layers, "pack_tokens": S, "blocks": N, "block_size": B,
               "matmul_tflops": peak, "step_tflop": flops / 1e12}
-    from dflash.shared.attention import CompileCounter
+    from dflash_pipeline.shared.attention import CompileCounter
 
     backends = [] if args.loader_only else ["flex_compiled", "sdpa_dense"] + ([] if args.skip_eager else ["flex_eager"])
     for backend in backends:

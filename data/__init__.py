@@ -1,6 +1,6 @@
-"""dflash.data: reading chat/text records, chat templates and loss masks, the sample corpus.
+"""dflash_pipeline.data: reading chat/text records, chat templates and loss masks, the sample corpus.
 
-The tiny random target for tests and the demo is in `dflash.data.tiny_target` (not imported here:
+The tiny random target for tests and the demo is in `dflash_pipeline.data.tiny_target` (not imported here:
 it pulls in transformers and torch).
 """
 

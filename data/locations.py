@@ -12,7 +12,7 @@ SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 def sample_corpus_path(name: str = "conversations.jsonl") -> Path:
     """A file of the sample corpus shipped in the package (``conversations.jsonl`` by default,
     ``sharegpt_small.jsonl`` for the ShareGPT-format twin of its first records)."""
-    path = Path(str(resources.files("dflash.data").joinpath("sample", name)))
+    path = Path(str(resources.files("dflash_pipeline.data").joinpath("sample", name)))
     if not path.is_file():
         raise FileNotFoundError(f"{path}: sample corpus file missing from the installed package")
     return path

@@ -4,7 +4,7 @@ Templated, checkable Q&A -- arithmetic, unit conversions, word facts, small Pyth
 some system prompts and a few 2-3 turn dialogs. Replies are formulaic on purpose: a tiny target can
 learn them, so a drafter trained against it has something to predict.
 
-    python -m dflash.data.make_sample_corpus [--out-dir DIR]
+    python -m dflash_pipeline.data.make_sample_corpus [--out-dir DIR]
 
 (run it as a module: ``data/`` holds a ``tokenize.py`` that must not shadow the standard library's.)
 """

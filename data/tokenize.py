@@ -2,7 +2,7 @@
 
 Conversations: the chat template's text, tokenized without extra special tokens (the template
 writes them); ``loss_mask`` is 1 on every token that carries a character of an assistant reply span
-(`dflash.data.chat` defines the span: reply content plus the end-of-turn token(s) closing it).
+(`dflash_pipeline.data.chat` defines the span: reply content plus the end-of-turn token(s) closing it).
 Plain ``text`` records: tokenized with the tokenizer's usual special tokens (e.g. a BOS), and every
 token gets loss 1 -- there is no prompt to exclude.
 

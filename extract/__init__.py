@@ -1,1 +1,1 @@
-"""dflash.extract"""
+"""dflash_pipeline.extract"""

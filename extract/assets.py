@@ -14,8 +14,8 @@ from pathlib import Path
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from dflash.extract.target import gguf_file_of, text_config
-from dflash.shared.drafter import TargetHead
+from dflash_pipeline.extract.target import gguf_file_of, text_config
+from dflash_pipeline.shared.drafter import TargetHead
 
 TARGET_DIR = "target"
 HEAD_FILE = "target_head.safetensors"

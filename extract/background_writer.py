@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from dflash.shared.store import StoreWriter
+from dflash_pipeline.shared.store import StoreWriter
 
 _STOP = object()
 

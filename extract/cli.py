@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from dflash.shared.config import config_option
+from dflash_pipeline.shared.config import config_option
 
 
 def _int_list(value: str | None) -> tuple[int, ...]:
@@ -79,14 +79,14 @@ class JsonObject(click.ParamType):
               help="--regenerate: requests decoded together (continuous batching) [default: 512 on GPU, 16 on CPU].")
 def main(**opts) -> None:
     """Run the frozen target over the data and store the drafter's training features."""
-    from dflash.data import DataError
-    from dflash.extract.config import ExtractConfig
-    from dflash.extract.run import run_extraction
-    from dflash.extract.target import TargetError
-    from dflash.shared.launch import UserError
-    from dflash.shared.manifest import StoreIncomplete, StoreMismatch
+    from dflash_pipeline.data import DataError
+    from dflash_pipeline.extract.config import ExtractConfig
+    from dflash_pipeline.extract.run import run_extraction
+    from dflash_pipeline.extract.target import TargetError
+    from dflash_pipeline.shared.launch import UserError
+    from dflash_pipeline.shared.manifest import StoreIncomplete, StoreMismatch
 
-    from dflash.extract.regenerate import RegenerateSettings
+    from dflash_pipeline.extract.regenerate import RegenerateSettings
 
     try:
         generation = RegenerateSettings(

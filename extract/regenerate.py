@@ -2,7 +2,7 @@
 
 A drafter learns to predict what the target writes, so it trains best on the target's own replies
 rather than the dataset's (written by another model or a person). Each rank regenerates the
-conversations it owns with one continuous-batching engine (`dflash.shared.generation`): every
+conversations it owns with one continuous-batching engine (`dflash_pipeline.shared.generation`): every
 conversation is a chain of requests, turn by turn (reply k is asked for once reply k-1 is in its
 history), and all chains share the engine's batch, so a long conversation never holds up others.
 
@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from dflash.data.chat import generation_prompt_ids, stop_token_ids
-from dflash.data.records import Record
-from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
-from dflash.shared.generation.sampling import SamplingParams, request_key
-from dflash.shared.progress import progress_bar
+from dflash_pipeline.data.chat import generation_prompt_ids, stop_token_ids
+from dflash_pipeline.data.records import Record
+from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
+from dflash_pipeline.shared.generation.sampling import SamplingParams, request_key
+from dflash_pipeline.shared.progress import progress_bar
 
 REGENERATED_DIR = "regenerated"
 FSYNC_INTERVAL_S = 2.0

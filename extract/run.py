@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash.data import data_fingerprint, tokenizer_fingerprint
-from dflash.extract.assets import load_tokenizer, weights_fingerprint
-from dflash.extract.config import ExtractConfig
-from dflash.extract.target import config_hash, load_target_config, parse_layer_ids, text_config
-from dflash.extract.worker import RankSummary, run_rank
-from dflash.shared import manifest as mf
-from dflash.shared.drafter import default_target_layer_ids
-from dflash.shared.generation.decoder import check_supported_config
-from dflash.shared.launch import RankFailed, UserError, spawn_ranks
+from dflash_pipeline.data import data_fingerprint, tokenizer_fingerprint
+from dflash_pipeline.extract.assets import load_tokenizer, weights_fingerprint
+from dflash_pipeline.extract.config import ExtractConfig
+from dflash_pipeline.extract.target import config_hash, load_target_config, parse_layer_ids, text_config
+from dflash_pipeline.extract.worker import RankSummary, run_rank
+from dflash_pipeline.shared import manifest as mf
+from dflash_pipeline.shared.drafter import default_target_layer_ids
+from dflash_pipeline.shared.generation.decoder import check_supported_config
+from dflash_pipeline.shared.launch import RankFailed, UserError, spawn_ranks
 
 BARRIER_TIMEOUT = timedelta(days=7)  # ranks finish at different times; never time out a long run
 
@@ -151,7 +151,7 @@ def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]
             )
         return layer_ids, existing.complete
     if root.exists() and any(root.iterdir()):
-        raise ExtractError(f"{root}: exists, is not empty and holds no dflash store; choose an empty --out")
+        raise ExtractError(f"{root}: exists, is not empty and holds no dflash-pipeline store; choose an empty --out")
     root.mkdir(parents=True, exist_ok=True)
     mf.write_manifest(root, fresh)
     return layer_ids, False

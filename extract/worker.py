@@ -19,20 +19,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash.data.records import ReadStats, iter_records
-from dflash.data.tokenize import TokenizedSample, tokenize_record
-from dflash.extract.background_writer import BackgroundWriter
-from dflash.extract.config import ExtractConfig
-from dflash.extract.plan import BatchPlan, owns, padded_fraction, plan_batches
-from dflash.extract.target import (
+from dflash_pipeline.data.records import ReadStats, iter_records
+from dflash_pipeline.data.tokenize import TokenizedSample, tokenize_record
+from dflash_pipeline.extract.background_writer import BackgroundWriter
+from dflash_pipeline.extract.config import ExtractConfig
+from dflash_pipeline.extract.plan import BatchPlan, owns, padded_fraction, plan_batches
+from dflash_pipeline.extract.target import (
     HiddenStateCapture,
     compile_decoder_layers,
     drop_unused_modules,
     forward_hidden_states,
     load_truncated_target,
 )
-from dflash.shared.progress import progress_bar
-from dflash.shared.store import StoreWriter
+from dflash_pipeline.shared.progress import progress_bar
+from dflash_pipeline.shared.store import StoreWriter
 
 
 @dataclass
@@ -87,9 +87,9 @@ def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, de
     """The owned records' samples with the target's own replies (`--regenerate`), as (sample index,
     record); the full target is loaded only while generating and freed before extraction loads its
     truncated copy."""
-    from dflash.extract.regenerate import RegenerateSettings, cache_path, regenerate_records
-    from dflash.extract.target import load_full_target
-    from dflash.shared.generation.engine import EngineSettings
+    from dflash_pipeline.extract.regenerate import RegenerateSettings, cache_path, regenerate_records
+    from dflash_pipeline.extract.target import load_full_target
+    from dflash_pipeline.shared.generation.engine import EngineSettings
 
     loaded = []
 
@@ -111,7 +111,7 @@ def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, de
 
 
 def tokenize_one(record, tokenizer, cfg: ExtractConfig, index: int, summary: RankSummary):
-    from dflash.data import DataError
+    from dflash_pipeline.data import DataError
 
     try:
         sample = tokenize_record(record, tokenizer, cfg.max_length, chat_template_kwargs=cfg.chat_template_kwargs)
@@ -205,8 +205,8 @@ def run_batches(runner: BatchRunner, samples: list[TokenizedSample], batches: li
 
 def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.device, layer_ids: list[int]) -> RankSummary:
     """Extract this rank's share into its store shard; resumes from the last committed batch."""
-    from dflash.extract.assets import export_target_assets, load_tokenizer, target_assets_ready
-    from dflash.extract.target import load_target_config, text_config
+    from dflash_pipeline.extract.assets import export_target_assets, load_tokenizer, target_assets_ready
+    from dflash_pipeline.extract.target import load_target_config, text_config
 
     started = time.perf_counter()
     root = Path(cfg.out)

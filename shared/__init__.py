@@ -1,1 +1,1 @@
-"""dflash.shared"""
+"""dflash_pipeline.shared"""

@@ -3,7 +3,7 @@
 A block opened at anchor a (an index into the packed context) is what the drafter sees at inference
 after accepting the token at a: position 0 holds that token, positions 1..B-1 hold the mask token and
 must predict the tokens at a+1..a+B-1. The block attends to context strictly before a (see
-`dflash.shared.attention`), so the token at a reaches the drafter only as block input, exactly as at
+`dflash_pipeline.shared.attention`), so the token at a reaches the drafter only as block input, exactly as at
 inference, where the last accepted token's target features do not exist yet.
 
 Anchor rule (the reference trainers': SpecForge draws anchors among positions whose `loss_mask` is

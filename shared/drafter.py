@@ -32,8 +32,8 @@ from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflash.shared import attention as attn
-from dflash.shared.blocks import compute_logits
+from dflash_pipeline.shared import attention as attn
+from dflash_pipeline.shared.blocks import compute_logits
 
 __all__ = [
     "DFlashConfig", "DFlashDrafter", "DrafterCache", "TargetHead", "compute_logits", "default_target_layer_ids",

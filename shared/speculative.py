@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from dflash.extract.target import HiddenStateCapture
-from dflash.shared.drafter import DFlashDrafter, DrafterCache
+from dflash_pipeline.extract.target import HiddenStateCapture
+from dflash_pipeline.shared.drafter import DFlashDrafter, DrafterCache
 
 
 @dataclass

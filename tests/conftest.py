@@ -15,7 +15,7 @@ import pytest
 def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Folder of a tiny random Qwen3 target (4 layers, hidden 64, vocab 768) + ChatML tokenizer,
     loadable with AutoModelForCausalLM / AutoTokenizer.from_pretrained. Treat it as read-only."""
-    from dflash.data.tiny_target import build_tiny_target
+    from dflash_pipeline.data.tiny_target import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny_qwen3"), arch="qwen3")
 
@@ -23,7 +23,7 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Like `tiny_target_dir`, with the Llama architecture. Treat it as read-only."""
-    from dflash.data.tiny_target import build_tiny_target
+    from dflash_pipeline.data.tiny_target import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny_llama"), arch="llama")
 
@@ -39,6 +39,6 @@ def tiny_tokenizer(tiny_target_dir: Path):
 @pytest.fixture(scope="session")
 def sample_corpus() -> Path:
     """Path of the packaged sample corpus (300 OpenAI-format conversations, JSONL)."""
-    from dflash.data import sample_corpus_path
+    from dflash_pipeline.data import sample_corpus_path
 
     return sample_corpus_path()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash.extract.background_writer import BackgroundWriter
-from dflash.shared.store import StoreWriter, stores_equal
+from dflash_pipeline.extract.background_writer import BackgroundWriter
+from dflash_pipeline.shared.store import StoreWriter, stores_equal
 from test_store import LAYOUT, make_batch, write_manifest_for, write_store
 
 

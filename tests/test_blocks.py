@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.shared.blocks import (
+from dflash_pipeline.shared.blocks import (
     IGNORE_INDEX,
     acceptance_length,
     anchor_candidates,

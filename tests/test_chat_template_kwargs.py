@@ -12,14 +12,14 @@ import pytest
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
-from dflash.data import sample_corpus_path
-from dflash.data.chat import generation_prompt_ids
-from dflash.data.records import Record, iter_records
-from dflash.data.tokenize import tokenize_record
-from dflash.extract.config import ExtractConfig
-from dflash.extract.run import ExtractError, prepare_store, run_extraction
-from dflash.shared.manifest import MANIFEST_FILE, load_manifest
-from dflash.shared.store import FeatureStore
+from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.data.chat import generation_prompt_ids
+from dflash_pipeline.data.records import Record, iter_records
+from dflash_pipeline.data.tokenize import tokenize_record
+from dflash_pipeline.extract.config import ExtractConfig
+from dflash_pipeline.extract.run import ExtractError, prepare_store, run_extraction
+from dflash_pipeline.shared.manifest import MANIFEST_FILE, load_manifest
+from dflash_pipeline.shared.store import FeatureStore
 from test_data_tokenize import QWEN3_STYLE_TEMPLATE
 
 # Qwen3's rendering of replies and generation prompt: a reply carries an (empty) think block before
@@ -144,8 +144,8 @@ def test_unfinished_store_resumes_with_the_same_kwargs_only(qwen3_like_dir, tmp_
 
 def invoke_extract(monkeypatch, args: list[str]):
     """`dflash-extract ARGS` with run_extraction replaced: (result, the ExtractConfig it got)."""
-    import dflash.extract.run as run_module
-    from dflash.extract.cli import main
+    import dflash_pipeline.extract.run as run_module
+    from dflash_pipeline.extract.cli import main
 
     seen = {}
     monkeypatch.setattr(run_module, "run_extraction", lambda cfg: seen.setdefault("cfg", cfg) and None)

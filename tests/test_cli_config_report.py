@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 
 def captured_train_config(monkeypatch, tmp_path, args):
-    import dflash.train.run as run_module
-    from dflash.train.cli import main
+    import dflash_pipeline.train.run as run_module
+    from dflash_pipeline.train.cli import main
 
     seen = {}
     monkeypatch.setattr(run_module, "run_training", lambda cfg: seen.setdefault("cfg", cfg) and None)
@@ -44,7 +44,7 @@ def test_bad_config_file_is_a_clear_error(monkeypatch, tmp_path, text, message):
 
 
 def test_report_draws_a_png_of_loss_and_tau(tmp_path):
-    from dflash.train.report import main
+    from dflash_pipeline.train.report import main
 
     rows = [{"step": s, "loss": 5.0 / s, "lr": 1e-3} for s in range(1, 21)] + [{"step": 10, "type": "eval", "tau": 1.5},
                                                                             {"step": 20, "type": "eval", "tau": 2.0}]
@@ -56,7 +56,7 @@ def test_report_draws_a_png_of_loss_and_tau(tmp_path):
 
 
 def test_report_without_metrics_is_a_clear_error(tmp_path):
-    from dflash.train.report import main
+    from dflash_pipeline.train.report import main
 
     result = CliRunner().invoke(main, ["--run", str(tmp_path)])
     assert result.exit_code != 0 and "metrics.jsonl: no metrics" in result.output

@@ -6,7 +6,7 @@ import shutil
 
 from transformers import AutoTokenizer
 
-from dflash.data import data_fingerprint, tokenizer_fingerprint
+from dflash_pipeline.data import data_fingerprint, tokenizer_fingerprint
 
 
 def test_data_fingerprint_follows_content_names_and_settings(tmp_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from dflash.data import ReadStats, iter_records, load_sharegpt_package_path, sample_corpus_path
-from dflash.data.make_sample_corpus import write_corpus
+from dflash_pipeline.data import ReadStats, iter_records, load_sharegpt_package_path, sample_corpus_path
+from dflash_pipeline.data.make_sample_corpus import write_corpus
 
 
 def test_committed_corpus_equals_generator_output(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.data.tiny_target import MASK_TOKEN, build_tiny_target
+from dflash_pipeline.data.tiny_target import MASK_TOKEN, build_tiny_target
 
 
 def test_qwen3_target_loads_through_auto_classes(tiny_target_dir):

@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from dflash.data import (DataError, ReadStats, Record, iter_records, sample_corpus_path,
+from dflash_pipeline.data import (DataError, ReadStats, Record, iter_records, sample_corpus_path,
                          tokenize_record, tokenize_records)
-from dflash.data.tiny_target import CHATML_TEMPLATE
+from dflash_pipeline.data.tiny_target import CHATML_TEMPLATE
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 WORDS = ["user", "assistant", "system"]

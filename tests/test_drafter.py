@@ -7,9 +7,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, Qwen3Config
 
-from dflash.shared import attention as A
-from dflash.shared.blocks import build_blocks, compute_logits, sample_anchors
-from dflash.shared.drafter import DFlashConfig, DFlashDrafter, DrafterCache, TargetHead, default_target_layer_ids
+from dflash_pipeline.shared import attention as A
+from dflash_pipeline.shared.blocks import build_blocks, compute_logits, sample_anchors
+from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, DrafterCache, TargetHead, default_target_layer_ids
 
 H, LAYERS = 32, 2  # hidden size, target layers feeding the drafter
 

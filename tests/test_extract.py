@@ -12,13 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.data import sample_corpus_path
-from dflash.data.records import iter_records
-from dflash.data.tokenize import tokenize_record
-from dflash.extract.config import ExtractConfig
-from dflash.extract.run import ExtractError, run_extraction
-from dflash.shared.store import FeatureStore
-from dflash.shared.manifest import load_manifest
+from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.data.records import iter_records
+from dflash_pipeline.data.tokenize import tokenize_record
+from dflash_pipeline.extract.config import ExtractConfig
+from dflash_pipeline.extract.run import ExtractError, run_extraction
+from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.shared.manifest import load_manifest
 
 
 def small_corpus(tmp_path: Path, n: int) -> Path:
@@ -66,8 +66,8 @@ def test_stored_states_equal_hf_hidden_states(fixture, compiled, request, tmp_pa
 def test_compiled_layers_compile_once_for_all_layers_and_shapes(tiny_target_dir):
     """One graph serves every decoder layer and batch shape: a recompile per layer would soon hit
     dynamo's cache limit and silently fall back to eager."""
-    from dflash.extract.target import HiddenStateCapture, compile_decoder_layers, forward_hidden_states
-    from dflash.shared.attention import CompileCounter
+    from dflash_pipeline.extract.target import HiddenStateCapture, compile_decoder_layers, forward_hidden_states
+    from dflash_pipeline.shared.attention import CompileCounter
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     capture = HiddenStateCapture(model, [0, 1, 3])
@@ -104,7 +104,7 @@ def test_bf16_store_within_bf16_tolerance_and_manifest(tiny_target_dir, tmp_path
 
 
 def test_truncated_model_skips_later_layers_and_head(tiny_target_dir):
-    from dflash.extract.target import load_truncated_target, drop_unused_modules, decoder_layers
+    from dflash_pipeline.extract.target import load_truncated_target, drop_unused_modules, decoder_layers
 
     model = load_truncated_target(tiny_target_dir, [0, 1], device=torch.device("cpu"), dtype=torch.float32)
     assert len(decoder_layers(model)) == 2
@@ -129,7 +129,7 @@ def test_bad_record_fails_with_file_and_line_and_store_stays_incomplete(tiny_tar
         f.write("{not json\n")
     out = tmp_path / "store"
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash.extract.cli", "--target", str(tiny_target_dir), "--data", str(data),
+        [sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(tiny_target_dir), "--data", str(data),
          "--out", str(out), "--device", "cpu", "--max-length", "128"],
         capture_output=True, text=True,
     )
@@ -139,7 +139,7 @@ def test_bad_record_fails_with_file_and_line_and_store_stays_incomplete(tiny_tar
     assert not load_manifest(out).complete
 
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash.extract.cli", "--target", str(tiny_target_dir), "--data", str(data),
+        [sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(tiny_target_dir), "--data", str(data),
          "--out", str(tmp_path / "store2"), "--device", "cpu", "--max-length", "128", "--skip-bad"],
         capture_output=True, text=True,
     )

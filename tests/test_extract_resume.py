@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from dflash.data import sample_corpus_path
-from dflash.shared.manifest import load_manifest
-from dflash.shared.store import stores_equal
+from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.shared.manifest import load_manifest
+from dflash_pipeline.shared.store import stores_equal
 
 pytestmark = pytest.mark.slow
 
 
 def command(target: Path, data: Path, out: Path) -> list[str]:
     return [
-        sys.executable, "-m", "dflash.extract.cli", "--target", str(target), "--data", str(data), "--out", str(out),
+        sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(data), "--out", str(out),
         "--device", "cpu", "--workers", "2", "--max-length", "96", "--batch-tokens", "96", "--max-batch-size", "2",
         "--chunk-tokens", "16", "--shard-tokens", "64", "--layers", "0,1,3",
     ]

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from dflash.shared.generation.decoder import GenerationError
-from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
-from dflash.shared.generation.sampling import SamplingParams, choose_tokens, request_key, uniforms
+from dflash_pipeline.shared.generation.decoder import GenerationError
+from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
+from dflash_pipeline.shared.generation.sampling import SamplingParams, choose_tokens, request_key, uniforms
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.data import sample_corpus_path
-from dflash.extract.config import ExtractConfig
-from dflash.extract.run import run_extraction
-from dflash.shared.store import FeatureStore
-from dflash.train.holdout import prompt_groups, prompt_key
-from dflash.train.packing import split_holdout
+from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.extract.config import ExtractConfig
+from dflash_pipeline.extract.run import run_extraction
+from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.train.holdout import prompt_groups, prompt_key
+from dflash_pipeline.train.packing import split_holdout
 
 # record k of the corpus file below is sample-corpus line SOURCE[k]: line 0 six times, line 1 three times
 SOURCE = [0, 1, 2, 0, 3, 4, 0, 1, 5, 6, 0, 7, 8, 0, 1, 9, 10, 0, 11, 12]

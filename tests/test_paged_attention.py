@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.shared.generation.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from dflash_pipeline.shared.generation.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
 
 def make_case(b: int, heads: int, kv_heads: int, head_dim: int, page: int, max_pages: int, dtype: torch.dtype,
@@ -148,7 +148,7 @@ def test_argument_checks():
 
 def test_launch_defaults_come_from_shapes(monkeypatch):
     """Split-K factor, pipeline depth and warps: functions of shapes only (graph capture needs it)."""
-    import dflash.shared.generation.paged_attention as pa
+    import dflash_pipeline.shared.generation.paged_attention as pa
 
     monkeypatch.setattr(pa, "_sm_count", lambda index: 132)  # an H200
     cuda = torch.device("cuda", 0)
@@ -189,7 +189,7 @@ def _interpreter_cases() -> None:
         print(f"{INTERPRETER_UNAVAILABLE}: {type(e).__name__}: {e}")
         return
 
-    from dflash.shared.generation.paged_attention import _paged_decode_attention_triton
+    from dflash_pipeline.shared.generation.paged_attention import _paged_decode_attention_triton
 
     cases = [  # b, heads, kv_heads, head_dim, page, max_pages, splits
         (6, 4, 4, 16, 16, 4, 1),
@@ -219,7 +219,7 @@ def _interpreter_cases() -> None:
             print(f"ok {dtype} b={b} heads={heads}/{kv_heads} hd={head_dim} page={page} splits={splits} rel={err:.2e}")
 
     # page ids read CHUNK at a time: with tiny chunks, rows cross several chunk boundaries
-    import dflash.shared.generation.paged_attention as pa
+    import dflash_pipeline.shared.generation.paged_attention as pa
 
     saved, pa._CHUNK = pa._CHUNK, 2
     try:

@@ -16,18 +16,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.data.chat import stop_token_ids
-from dflash.data.records import Record, iter_records
-from dflash.data.tokenize import tokenize_record
-from dflash.extract.config import ExtractConfig
-from dflash.extract.regenerate import RegenerateSettings, cache_path, read_cache, regenerate_records
-from dflash.extract.run import run_extraction
-from dflash.shared.generation.engine import EngineSettings
-from dflash.shared.manifest import load_manifest
-from dflash.shared.speculative import target_greedy
-from dflash.shared.store import FeatureStore, stores_equal
-from dflash.train.holdout import prompt_groups
-from dflash.train.packing import split_holdout
+from dflash_pipeline.data.chat import stop_token_ids
+from dflash_pipeline.data.records import Record, iter_records
+from dflash_pipeline.data.tokenize import tokenize_record
+from dflash_pipeline.extract.config import ExtractConfig
+from dflash_pipeline.extract.regenerate import RegenerateSettings, cache_path, read_cache, regenerate_records
+from dflash_pipeline.extract.run import run_extraction
+from dflash_pipeline.shared.generation.engine import EngineSettings
+from dflash_pipeline.shared.manifest import load_manifest
+from dflash_pipeline.shared.speculative import target_greedy
+from dflash_pipeline.shared.store import FeatureStore, stores_equal
+from dflash_pipeline.train.holdout import prompt_groups
+from dflash_pipeline.train.packing import split_holdout
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is a mole?"}, {"role": "assistant", "content": "An animal."}],
@@ -170,7 +170,7 @@ def test_extract_with_regenerate_stores_prompt_plus_generated_reply(tiny_target_
 
 
 def regenerate_command(target: Path, data: Path, out: Path, workers: int, gen_batch: int) -> list[str]:
-    return [sys.executable, "-m", "dflash.extract.cli", "--target", str(target), "--data", str(data), "--out", str(out),
+    return [sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(data), "--out", str(out),
             "--device", "cpu", "--workers", str(workers), "--max-length", "160", "--store-dtype", "float32",
             "--regenerate", "--temperature", "1.0", "--top-p", "0.95", "--seed", "5", "--max-new-tokens", "24",
             "--gen-batch-size", str(gen_batch)]
@@ -220,7 +220,7 @@ def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_is_wri
                                bos_token_id=None, eos_token_id=tiny_tokenizer.eos_token_id)).save_pretrained(target)
     tiny_tokenizer.save_pretrained(target)
     out = tmp_path / "store"
-    run = subprocess.run([sys.executable, "-m", "dflash.extract.cli", "--target", str(target), "--data", str(sample_corpus),
+    run = subprocess.run([sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(sample_corpus),
                           "--out", str(out), "--device", "cpu", "--limit", "4", "--layers", "0,1", "--regenerate"],
                          capture_output=True, text=True)
     assert run.returncode == 1 and "Traceback" not in run.stderr

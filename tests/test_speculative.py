@@ -13,10 +13,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.data.chat import stop_token_ids
-from dflash.extract.target import HiddenStateCapture, load_full_target
-from dflash.shared.drafter import DFlashConfig, DFlashDrafter
-from dflash.shared.speculative import dflash_generate, target_greedy
+from dflash_pipeline.data.chat import stop_token_ids
+from dflash_pipeline.extract.target import HiddenStateCapture, load_full_target
+from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter
+from dflash_pipeline.shared.speculative import dflash_generate, target_greedy
 
 B = 8
 
@@ -102,9 +102,9 @@ def test_oracle_drafter_is_accepted_up_to_its_first_wrong_token(target, tiny_tok
 def online_and_training_logits(target, drafter, prompt: torch.Tensor, backend: str, autocast, monkeypatch):
     """(logits of every block drafted online, [blocks, B-1, V] logits of the training path for the same
     anchors of the final sequence: build_blocks + `backend` attention + stored-style features)."""
-    from dflash.shared.blocks import build_blocks
-    from dflash.shared.drafter import TargetHead
-    from dflash.train.step import drafter_hidden
+    from dflash_pipeline.shared.blocks import build_blocks
+    from dflash_pipeline.shared.drafter import TargetHead
+    from dflash_pipeline.train.step import drafter_hidden
 
     lm_head = target.get_output_embeddings().weight
     online: list[torch.Tensor] = []
@@ -190,7 +190,7 @@ def test_generation_stops_at_a_stop_token(target, tiny_tokenizer):
 
 
 def test_dflash_eval_cli_writes_a_lossless_json_report(target, tiny_target_dir, sample_corpus, tmp_path):
-    from dflash.train.eval_cli import main
+    from dflash_pipeline.train.eval_cli import main
 
     random_drafter(target).save_pretrained(tmp_path / "drafter")
     report_path = tmp_path / "eval.json"

@@ -21,8 +21,8 @@ import pytest
 import torch
 import zarr
 
-from dflash.shared.manifest import StoreError, StoreIncomplete, StoreMismatch, mark_complete, new_manifest, write_manifest
-from dflash.shared.store import FeatureStore, StoreWriter, finished_shards, parse_compression, stores_equal
+from dflash_pipeline.shared.manifest import StoreError, StoreIncomplete, StoreMismatch, mark_complete, new_manifest, write_manifest
+from dflash_pipeline.shared.store import FeatureStore, StoreWriter, finished_shards, parse_compression, stores_equal
 
 W = 12  # hidden width: 2 layers x hidden 6
 LAYOUT = dict(hidden_width=W, capacity_tokens=4000, capacity_samples=400, chunk_tokens=8, shard_tokens=32)
@@ -362,7 +362,7 @@ def _child(root: str, kill_point: str | None, nth: int) -> None:
 
 
 def _arm(point: str, nth: int, root: Path) -> None:
-    from dflash.shared import manifest, shard_io, store
+    from dflash_pipeline.shared import manifest, shard_io, store
 
     hits = [0]
 

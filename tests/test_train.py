@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.data import sample_corpus_path
-from dflash.extract.config import ExtractConfig
-from dflash.extract.run import run_extraction
-from dflash.shared.launch import free_port, spawn_ranks
-from dflash.shared.store import FeatureStore
-from dflash.train.config import TrainConfig
-from dflash.train.dataset import PackSpec, StepDataset, StepPlan, batch_layout, build_batch, build_pack
-from dflash.train.feed import SlotLayout, SlotRing, device_batches, slots_needed
-from dflash.train.loop import TrainingError, build_model, init_distributed
-from dflash.train.packing import plan_packs, rank_slice
-from dflash.train.run import run_training
-from dflash.train.step import pack_loss
+from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.extract.config import ExtractConfig
+from dflash_pipeline.extract.run import run_extraction
+from dflash_pipeline.shared.launch import free_port, spawn_ranks
+from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.train.config import TrainConfig
+from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, batch_layout, build_batch, build_pack
+from dflash_pipeline.train.feed import SlotLayout, SlotRing, device_batches, slots_needed
+from dflash_pipeline.train.loop import TrainingError, build_model, init_distributed
+from dflash_pipeline.train.packing import plan_packs, rank_slice
+from dflash_pipeline.train.run import run_training
+from dflash_pipeline.train.step import pack_loss
 
 TRAIN_ARGS = ["--device", "cpu", "--num-layers", "1", "--block-size", "8", "--pack-tokens", "256",
               "--num-blocks", "16", "--eval-samples", "4", "--loader-workers", "0", "--lr", "1e-3"]
@@ -54,7 +54,7 @@ def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None
     init_distributed(rank, world, device, init)
     try:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        from dflash.train.loop import all_sum
+        from dflash_pipeline.train.loop import all_sum
 
         store = FeatureStore(cfg.store)
         model, head = build_model(cfg, store, device)
@@ -176,8 +176,8 @@ def test_a_slot_item_sends_only_its_number(store_dir):
 
 def groups_from_rank0(rank: int, world: int, store_dir: str, init: str) -> np.ndarray:
     """Each rank's copy of the held-out prompt groups; any rank but 0 computing them fails."""
-    from dflash.train.holdout import prompt_groups
-    from dflash.train.loop import from_rank0
+    from dflash_pipeline.train.holdout import prompt_groups
+    from dflash_pipeline.train.loop import from_rank0
 
     device = torch.device("cpu")
     init_distributed(rank, world, device, init)
@@ -195,7 +195,7 @@ def groups_from_rank0(rank: int, world: int, store_dir: str, init: str) -> np.nd
 
 
 def test_prompt_groups_are_read_on_rank_0_and_sent_to_every_rank(store_dir):
-    from dflash.train.holdout import prompt_groups
+    from dflash_pipeline.train.holdout import prompt_groups
 
     got = spawn_ranks(groups_from_rank0, 3, (3, str(store_dir), f"tcp://127.0.0.1:{free_port()}"))
     want = prompt_groups(FeatureStore(store_dir))
@@ -223,7 +223,7 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def train_cmd(store: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dflash.train.cli", "--store", str(store), "--out", str(out), *TRAIN_ARGS,
+    return [sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(store), "--out", str(out), *TRAIN_ARGS,
             "--max-steps", "10", "--checkpoint-every", "3", "--eval-every", "5", *extra]
 
 
@@ -263,7 +263,7 @@ def test_training_reduces_loss_and_reports_acceptance(store_dir, tmp_path):
 
 def test_refuses_incomplete_store(store_dir, tmp_path):
     import shutil
-    from dflash.shared.manifest import StoreIncomplete, load_manifest, write_manifest
+    from dflash_pipeline.shared.manifest import StoreIncomplete, load_manifest, write_manifest
 
     broken = tmp_path / "broken"
     shutil.copytree(store_dir, broken)
@@ -275,14 +275,14 @@ def test_refuses_incomplete_store(store_dir, tmp_path):
 
 
 def test_refuses_store_of_another_target(store_dir, tiny_llama_dir, tmp_path):
-    from dflash.shared.manifest import StoreMismatch
+    from dflash_pipeline.shared.manifest import StoreMismatch
 
     with pytest.raises(StoreMismatch):
         run_training(base_config(store_dir, tmp_path / "run", target=str(tiny_llama_dir)))
 
 
 def test_refuses_block_larger_than_samples(store_dir, tmp_path):
-    from dflash.train.setup import StoreUnusable
+    from dflash_pipeline.train.setup import StoreUnusable
 
     with pytest.raises(StoreUnusable, match="block size 4096 is larger than every sample"):
         run_training(replace(base_config(store_dir, tmp_path / "run"), block_size=4096, num_blocks=1))

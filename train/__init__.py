@@ -1,1 +1,1 @@
-"""dflash.train"""
+"""dflash_pipeline.train"""

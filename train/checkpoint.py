@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.shared.drafter import DFlashDrafter
+from dflash_pipeline.shared.drafter import DFlashDrafter
 
 LATEST = "latest"
 

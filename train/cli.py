@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from dflash.extract.cli import _int_list
-from dflash.shared.config import config_option
+from dflash_pipeline.extract.cli import _int_list
+from dflash_pipeline.shared.config import config_option
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
@@ -46,10 +46,10 @@ from dflash.shared.config import config_option
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --out.")
 def main(**opts) -> None:
     """Train a DFlash drafter from a feature store."""
-    from dflash.shared.launch import UserError
-    from dflash.shared.manifest import StoreIncomplete, StoreMismatch
-    from dflash.train.config import TrainConfig
-    from dflash.train.run import run_training
+    from dflash_pipeline.shared.launch import UserError
+    from dflash_pipeline.shared.manifest import StoreIncomplete, StoreMismatch
+    from dflash_pipeline.train.config import TrainConfig
+    from dflash_pipeline.train.run import run_training
 
     cfg = TrainConfig(gpus=_int_list(opts.pop("gpus")), **opts)
     try:

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from dflash.shared.blocks import build_blocks, sample_anchors
-from dflash.shared.store import FeatureStore
-from dflash.train.packing import plan_packs, rank_slice
+from dflash_pipeline.shared.blocks import build_blocks, sample_anchors
+from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.train.packing import plan_packs, rank_slice
 
 
 @dataclass(frozen=True)

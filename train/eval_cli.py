@@ -17,7 +17,7 @@ import torch
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
     """Chat prompts: the messages before the first assistant turn, with the generation prompt."""
-    from dflash.data.records import iter_records
+    from dflash_pipeline.data.records import iter_records
 
     prompts: list[list[int]] = []
     for record in iter_records(path, skip_bad=True):
@@ -41,11 +41,11 @@ def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> li
 
 def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: int, max_new_tokens: int,
              device: str, dtype: str, block_size: int | None, max_prompt_tokens: int = 1024) -> dict:
-    from dflash.data.chat import stop_token_ids
-    from dflash.extract.assets import load_tokenizer
-    from dflash.extract.target import HiddenStateCapture, load_full_target
-    from dflash.shared.drafter import DFlashDrafter
-    from dflash.shared.speculative import dflash_generate, target_greedy
+    from dflash_pipeline.data.chat import stop_token_ids
+    from dflash_pipeline.extract.assets import load_tokenizer
+    from dflash_pipeline.extract.target import HiddenStateCapture, load_full_target
+    from dflash_pipeline.shared.drafter import DFlashDrafter
+    from dflash_pipeline.shared.speculative import dflash_generate, target_greedy
 
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)

@@ -37,9 +37,9 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from dflash.shared.shard_io import decode_in_this_thread_only
-from dflash.train.dataset import StepDataset, batch_layout
-from dflash.train.step import to_device
+from dflash_pipeline.shared.shard_io import decode_in_this_thread_only
+from dflash_pipeline.train.dataset import StepDataset, batch_layout
+from dflash_pipeline.train.step import to_device
 
 _ALIGN = 256  # byte alignment of each tensor in a slot (any dtype view is legal; CUDA likes 256)
 

@@ -20,24 +20,24 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash.shared.blocks import default_gamma
-from dflash.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
-from dflash.shared.launch import UserError
-from dflash.shared.progress import progress_bar
-from dflash.shared.store import FeatureStore
-from dflash.train import checkpoint as ckpt
-from dflash.train.config import TrainConfig
-from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
-from dflash.train.feed import device_batches
-from dflash.train.holdout import prompt_groups
-from dflash.train.packing import plan_packs, rank_slice, split_holdout
-from dflash.train.setup import (
+from dflash_pipeline.shared.blocks import default_gamma
+from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
+from dflash_pipeline.shared.launch import UserError
+from dflash_pipeline.shared.progress import progress_bar
+from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.train import checkpoint as ckpt
+from dflash_pipeline.train.config import TrainConfig
+from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
+from dflash_pipeline.train.feed import device_batches
+from dflash_pipeline.train.holdout import prompt_groups
+from dflash_pipeline.train.packing import plan_packs, rank_slice, split_holdout
+from dflash_pipeline.train.setup import (
     load_target_config,
     resolve_mask_token,
     store_identity,
     validate_store,
 )
-from dflash.train.step import block_acceptance, pack_loss, to_device
+from dflash_pipeline.train.step import block_acceptance, pack_loss, to_device
 
 
 # Held-out packs and their anchors are drawn with this "epoch", apart from every training epoch.

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import torch
 
-from dflash.shared.launch import RankFailed, free_port, spawn_ranks
-from dflash.train.config import TrainConfig
-from dflash.train.loop import RankResult, TrainingError, rank_entry
+from dflash_pipeline.shared.launch import RankFailed, free_port, spawn_ranks
+from dflash_pipeline.train.config import TrainConfig
+from dflash_pipeline.train.loop import RankResult, TrainingError, rank_entry
 
 
 def resolve_devices(cfg: TrainConfig) -> TrainConfig:

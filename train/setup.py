@@ -6,9 +6,9 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from dflash.shared.launch import UserError
-from dflash.shared.manifest import check_compatible
-from dflash.shared.store import FeatureStore
+from dflash_pipeline.shared.launch import UserError
+from dflash_pipeline.shared.manifest import check_compatible
+from dflash_pipeline.shared.store import FeatureStore
 
 
 class StoreUnusable(UserError, ValueError):
@@ -38,7 +38,7 @@ def store_identity(store: FeatureStore) -> dict:
 def validate_store(store: FeatureStore, cfg) -> None:
     """Refuse, with one line, a store that cannot train this drafter."""
     if cfg.target is not None:
-        from dflash.extract.target import config_hash, load_target_config as load_cfg
+        from dflash_pipeline.extract.target import config_hash, load_target_config as load_cfg
 
         check_compatible(store.manifest, config_hash=config_hash(load_cfg(cfg.target)), root=store.root)
     if len(store) == 0:

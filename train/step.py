@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash.shared.attention import build_block_mask, dense_mask
-from dflash.shared.blocks import acceptance_length, dflash_loss
-from dflash.shared.drafter import DFlashDrafter, TargetHead
+from dflash_pipeline.shared.attention import build_block_mask, dense_mask
+from dflash_pipeline.shared.blocks import acceptance_length, dflash_loss
+from dflash_pipeline.shared.drafter import DFlashDrafter, TargetHead
 
 FLEX_BACKENDS = ("flex_compiled", "flex_eager")
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash.shared.generation.decoder import GenerationError, PagedDecoder, PagedKVCache, check_supported, pages_for
-from dflash.shared.generation.sampling import SamplingParams, choose_tokens
+from dflash_pipeline.shared.generation.decoder import GenerationError, PagedDecoder, PagedKVCache, check_supported, pages_for
+from dflash_pipeline.shared.generation.sampling import SamplingParams, choose_tokens
 
 WORKSPACE_MARGIN_BYTES = 2 << 30  # beside the estimate: CUDA graphs' pool, library workspaces
 

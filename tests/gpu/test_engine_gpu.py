@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.data.tiny_target import build_tiny_target
-from dflash.shared.generation.engine import EngineSettings, GenerationEngine, Request
-from dflash.shared.generation.sampling import SamplingParams, request_key
+from dflash_pipeline.data.tiny_target import build_tiny_target
+from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
+from dflash_pipeline.shared.generation.sampling import SamplingParams, request_key
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.data import sample_corpus_path
-from dflash.extract.config import ExtractConfig
-from dflash.extract.run import run_extraction
-from dflash.shared.store import FeatureStore
-from dflash.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
-from dflash.train.feed import device_batches, slots_needed
+from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.extract.config import ExtractConfig
+from dflash_pipeline.extract.run import run_extraction
+from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
+from dflash_pipeline.train.feed import device_batches, slots_needed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.shared.generation.paged_attention import (
+from dflash_pipeline.shared.generation.paged_attention import (
     _paged_decode_attention_triton,
     paged_decode_attention,
     paged_decode_attention_reference,

@@ -1,4 +1,4 @@
-"""`python -m dflash.demo`: the whole pipeline on CPU in a few minutes, on an embedded tiny default.
+"""`python -m dflash_pipeline.demo`: the whole pipeline on CPU in a few minutes, on an embedded tiny default.
 
 It builds a tiny random Qwen3-architecture target with a tokenizer trained on the bundled sample
 corpus, extracts its hidden states with two worker processes, trains a small drafter with two gloo
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from dflash.data import sample_corpus_path
+from dflash_pipeline.data import sample_corpus_path
 
 
 def run_step(step: str, args: list[str]) -> None:
@@ -34,8 +34,8 @@ def run_step(step: str, args: list[str]) -> None:
 @click.option("--steps", default=120, show_default=True, help="Training steps.")
 def main(out: str, steps: int) -> None:
     """Run extract -> train on the tiny default and summarise."""
-    from dflash.data.tiny_target import build_tiny_target
-    from dflash.shared.store import FeatureStore
+    from dflash_pipeline.data.tiny_target import build_tiny_target
+    from dflash_pipeline.shared.store import FeatureStore
 
     root = Path(out)
     started = time.perf_counter()
@@ -45,22 +45,22 @@ def main(out: str, steps: int) -> None:
         build_tiny_target(target, arch="qwen3", num_layers=6, hidden=128)
     store, run = root / "store", root / "train"
     run_step("extract", [
-        sys.executable, "-m", "dflash.extract.cli", "--target", str(target), "--data", str(sample_corpus_path()), "--out", str(store),
+        sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(sample_corpus_path()), "--out", str(store),
         "--device", "cpu", "--workers", "2", "--max-length", "512", "--batch-tokens", "4096",
     ])
     run_step("train", [
-        sys.executable, "-m", "dflash.train.cli", "--store", str(store), "--out", str(run), "--device", "cpu", "--workers", "2",
+        sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(store), "--out", str(run), "--device", "cpu", "--workers", "2",
         "--num-layers", "2", "--block-size", "8", "--pack-tokens", "512", "--num-blocks", "32",
         "--max-steps", str(steps), "--lr", "2e-3", "--eval-every", "40", "--checkpoint-every", "60",
         "--eval-samples", "24", "--loader-workers", "1", "--resume",
     ])
     evaluation = root / "eval.json"
     run_step("speculative decoding check", [
-        sys.executable, "-m", "dflash.train.eval_cli", "--target", str(target), "--drafter", str(run / "drafter"),
+        sys.executable, "-m", "dflash_pipeline.train.eval_cli", "--target", str(target), "--drafter", str(run / "drafter"),
         "--prompts", str(sample_corpus_path()), "--limit", "4", "--max-new-tokens", "32", "--device", "cpu",
         "--dtype", "float32", "--json", str(evaluation),
     ])
-    run_step("report", [sys.executable, "-m", "dflash.train.report", "--run", str(run)])
+    run_step("report", [sys.executable, "-m", "dflash_pipeline.train.report", "--run", str(run)])
     spec = json.loads(evaluation.read_text())
     fs = FeatureStore(store)
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
