@@ -8,7 +8,9 @@ Accepted record shapes (one per record; exactly one of the three fields, `null` 
   human/user -> user, gpt/assistant/chatgpt/bing/bard -> assistant, system -> system.
 - ``{"text": str}``: plain text.
 
-A conversation needs at least one assistant turn, and every turn non-empty content. Anything else
+A conversation needs at least one assistant turn, and every turn non-empty content. Read as prompts
+(``prompts=True``, for decoding), a conversation needs no assistant turn and ``{"prompt": str}``
+(JSON/JSONL; only when none of the three fields is present) is one user turn. Anything else
 is a bad record: `DataError` naming ``file:line`` (row number for Parquet/Arrow), or, with
 ``skip_bad``, skipped and counted in `ReadStats.skipped` by reason code:
 
@@ -101,10 +103,11 @@ def data_files(path: str | Path) -> list[Path]:
     return [path]
 
 
-def iter_records(path: str | Path, *, skip_bad: bool = False,
-                 stats: ReadStats | None = None) -> Iterator[Record]:
+def iter_records(path: str | Path, *, skip_bad: bool = False, stats: ReadStats | None = None,
+                 prompts: bool = False) -> Iterator[Record]:
     """Yield the records of a file or directory in order; bad records raise `DataError` or, with
-    `skip_bad`, are counted in `stats` by reason."""
+    `skip_bad`, are counted in `stats` by reason. `prompts`: read prompts to decode from, not
+    training data (see the module docstring)."""
     stats = stats if stats is not None else ReadStats()
     index = 0
     for file in data_files(path):
@@ -118,7 +121,7 @@ def iter_records(path: str | Path, *, skip_bad: bool = False,
             else:
                 decoded += 1
                 try:
-                    record = _to_record(index, source, item)
+                    record = _to_record(index, source, item, prompts)
                 except DataError as e:
                     error = e
                 else:
@@ -131,10 +134,13 @@ def iter_records(path: str | Path, *, skip_bad: bool = False,
             stats.skip(error)
 
 
-def _to_record(index: int, source: str, obj: Any) -> Record:
+def _to_record(index: int, source: str, obj: Any, prompts: bool) -> Record:
     if not isinstance(obj, dict):
         raise DataError(f"{source}: record is a {type(obj).__name__}, not an object", "not_an_object")
     present = [k for k in CONTENT_FIELDS if obj.get(k) is not None]
+    if prompts and not present and obj.get("prompt") is not None:
+        prompt = _content(obj["prompt"], f"{source}: prompt")
+        return Record(index, source, messages=[{"role": "user", "content": prompt}])
     if not present:
         raise DataError(f"{source}: record has none of 'messages', 'conversations', 'text'",
                         "no_content_field")
@@ -156,7 +162,7 @@ def _to_record(index: int, source: str, obj: Any) -> Record:
         raise DataError(f"{source}: {kind!r} is empty", "empty_conversation")
     parse = _openai_turn if kind == "messages" else _sharegpt_turn
     messages = [parse(turn, f"{source}: turn {n}") for n, turn in enumerate(turns, 1)]
-    if not any(m["role"] == "assistant" for m in messages):
+    if not prompts and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{source}: conversation has no assistant turn", "no_assistant_turn")
     return Record(index, source, messages=messages)
 

@@ -1,10 +1,16 @@
-"""DFlash speculative decoding (greedy, batch 1) and the plain target-only baseline.
+"""DFlash speculative decoding (batch 1) and the plain target-only baseline, greedy or sampled.
 
 Each step the drafter drafts one block: position 0 is the last token the target produced, the other
 B-1 positions are mask tokens; the drafter sees the target's features of every accepted token
-through its context KV cache. The target then verifies the whole block in one forward; the longest
-prefix of drafts equal to the target's own argmax is accepted, plus the target's next token. Greedy
-output is therefore exactly the target's greedy output (lossless); only the speed changes.
+through its context KV cache. The target then verifies the whole block in one forward. Greedy: the
+longest prefix of drafts equal to the target's own argmax is accepted, plus the target's next token,
+so the output is exactly the target's greedy output (lossless). Sampled: standard speculative
+sampling (accept draft x with probability min(1, p(x)/q(x)), resample the first rejected position
+from max(0, p - q)), so the output has the target's sampling distribution.
+
+Step counting follows the reference (z-lab `dflash` 0.1.0 `dflash_generate`): the last block only
+drafts as many tokens as are left, a step counts the tokens it adds to the output (none past
+`max_new_tokens`, none after a stop token), and the first token, from the prompt's forward, is no step.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ from transformers import DynamicCache
 
 from dflash_pipeline.extract.target import HiddenStateCapture
 from dflash_pipeline.shared.drafter import DFlashDrafter, DrafterCache
+from dflash_pipeline.shared.generation.sampling import SamplingParams, filtered_probs
 
 
 @dataclass
 class Generation:
     tokens: list[int]  # generated ids (prompt excluded)
     seconds: float
-    accepted: list[int] = field(default_factory=list)  # tokens produced per target verify step
+    accepted: list[int] = field(default_factory=list)  # tokens added to the output per target verify step
 
     @property
     def tau(self) -> float:
@@ -33,16 +40,42 @@ class Generation:
         return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
 
 
+GREEDY = SamplingParams()
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of non-negative (not necessarily normalised) weights."""
+    return torch.multinomial(weights.reshape(-1, weights.shape[-1]), 1, generator=generator).reshape(weights.shape[:-1])
+
+
+def _next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    return int(logits.argmax() if sampling.greedy else _draw(filtered_probs(logits, sampling), generator))
+
+
+def _speculative_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                        generator: torch.Generator | None) -> tuple[int, int]:
+    """(accepted drafts, the token after them) by the rejection rule; `drafts` [n] were drawn from
+    `q` [n, V], `p` [n+1, V] are the target's filtered probabilities after each block position."""
+    n = len(drafts)
+    rows = torch.arange(n, device=drafts.device)
+    u = torch.rand(n, device=drafts.device, generator=generator)
+    n_ok = int((u * q[rows, drafts] < p[rows, drafts]).int().cumprod(0).sum())
+    if n_ok == n:
+        return n, int(_draw(p[n], generator))
+    residual = (p[n_ok] - q[n_ok]).clamp_min(0)
+    return n_ok, int(_draw(residual if residual.sum() > 0 else p[n_ok], generator))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _stop_at(tokens: list[int], stop_ids: set[int], limit: int) -> list[int]:
-    for i, t in enumerate(tokens[:limit]):
+def _stop_at(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
         if t in stop_ids:
             return tokens[: i + 1]
-    return tokens[:limit]
+    return tokens
 
 
 def _cache_kwarg(target: nn.Module) -> str:
@@ -60,18 +93,19 @@ def _truncate_cache(cache: DynamicCache, length: int) -> None:
 
 
 @torch.inference_mode()
-def target_greedy(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set[int]) -> Generation:
-    """Target-only greedy decoding with a KV cache: the baseline and the reference output."""
+def target_generate(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set[int],
+                    sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None) -> Generation:
+    """Target-only decoding with a KV cache: the baseline and the reference output."""
     device = prompt.device
     _sync(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
     kv = {_cache_kwarg(target): cache}
     out = target(input_ids=prompt[None], **kv, use_cache=True, logits_to_keep=1)
-    tokens = [int(out.logits[0, -1].argmax())]
+    tokens = [_next_token(out.logits[0, -1], sampling, generator)]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), **kv, use_cache=True)
-        tokens.append(int(out.logits[0, -1].argmax()))
+        tokens.append(_next_token(out.logits[0, -1], sampling, generator))
     _sync(device)
     return Generation(tokens, time.perf_counter() - start)
 
@@ -85,10 +119,11 @@ def dflash_generate(
     max_new_tokens: int,
     stop_ids: set[int],
     block_size: int | None = None,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
 ) -> Generation:
-    """Greedy speculative decoding of one prompt; `capture` hooks the drafter's target layers."""
+    """Speculative decoding of one prompt; `capture` hooks the drafter's target layers."""
     device = prompt.device
-    B = block_size or drafter.config.block_size
     embed = target.get_input_embeddings()
     lm_head = target.get_output_embeddings().weight
     mask_id = drafter.config.mask_token_id
@@ -100,31 +135,41 @@ def dflash_generate(
     out = target(input_ids=prompt[None], **kv, use_cache=True, logits_to_keep=1)
     features = torch.cat(capture.take(), dim=-1)  # [1, P, n_layers*H]
     feature_positions = torch.arange(len(prompt), device=device)[None]
-    tokens = [int(out.logits[0, -1].argmax())]
+    tokens = [_next_token(out.logits[0, -1], sampling, generator)]
     draft_cache = DrafterCache()
     accepted: list[int] = []
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        left = max_new_tokens - len(tokens)
+        size = min(block_size or drafter.config.block_size, left + 1)  # the last block drafts only what is left
         seen = len(prompt) + len(tokens) - 1  # tokens with target features: all but the last
-        block = torch.full((1, B), mask_id, dtype=torch.long, device=device)
+        block = torch.full((1, size), mask_id, dtype=torch.long, device=device)
         block[0, 0] = tokens[-1]
-        positions = torch.arange(seen, seen + B, device=device)[None]
+        positions = torch.arange(seen, seen + size, device=device)[None]
         hidden = drafter.forward_step(features.to(drafter.fc.weight.dtype), feature_positions,
                                       embed(block).to(drafter.fc.weight.dtype) * scale, positions, draft_cache)
-        drafts = drafter.compute_logits(hidden[:, 1:], lm_head.to(hidden.dtype)).argmax(-1)
-        block[0, 1:] = drafts[0]
+        draft_logits = drafter.compute_logits(hidden[:, 1:], lm_head.to(hidden.dtype))[0]
+        if sampling.greedy:
+            block[0, 1:] = draft_logits.argmax(-1)
+        else:
+            q = filtered_probs(draft_logits, sampling)
+            block[0, 1:] = _draw(q, generator)
         out = target(input_ids=block, **kv, use_cache=True)
-        verified = out.logits[0].argmax(-1)  # target's next token after each block position
-        match = (block[0, 1:] == verified[:-1]).int().cumprod(0)
-        n_ok = int(match.sum())
-        new = block[0, 1 : 1 + n_ok].tolist() + [int(verified[n_ok])]
+        drafts = block[0, 1:]
+        if sampling.greedy:
+            verified = out.logits[0].argmax(-1)  # target's next token after each block position
+            n_ok = int((drafts == verified[:-1]).int().cumprod(0).sum())
+            following = int(verified[n_ok])
+        else:
+            n_ok, following = _speculative_sample(drafts, filtered_probs(out.logits[0], sampling), q, generator)
+        # a step counts only what it adds: nothing past the limit, nothing after a stop token
+        new = _stop_at((drafts[:n_ok].tolist() + [following])[:left], stop_ids)
         accepted.append(len(new))
         tokens.extend(new)
-        if stop_ids.intersection(new):
+        if len(new) <= n_ok or new[-1] in stop_ids:  # cut short: decoding is over
             break
         _truncate_cache(cache, seen + 1 + n_ok)  # keep the block positions that were accepted
         step_features = torch.cat(capture.take(), dim=-1)
         features = step_features[:, : 1 + n_ok]
         feature_positions = positions[:, : 1 + n_ok]
     _sync(device)
-    tokens = _stop_at(tokens, stop_ids, max_new_tokens)
     return Generation(tokens, time.perf_counter() - start, accepted)

@@ -271,3 +271,18 @@ def test_real_sharegpt_package_file_recovers_17671_records():
     assert stats.recovered == {str(path): 17_671}
     assert stats.skipped["truncated_json"] == 1
     assert count == stats.records == 17_671 - (stats.skipped_total - 1)
+
+
+def test_prompt_records_need_no_reply(tmp_path):
+    """Read as prompts, conversations without an assistant turn and `{"prompt": ...}` are records;
+    as training data they stay bad."""
+    path = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"messages": CHAT[:2]}, {"conversations": SHAREGPT[:2]}, {"prompt": "2+2?"}, {"prompt": " "},
+        {"messages": CHAT}])
+    stats = ReadStats()
+    got = list(iter_records(path, prompts=True, skip_bad=True, stats=stats))
+    assert [r.messages for r in got] == [CHAT[:2], CHAT[:2], [CHAT[1]], CHAT]
+    assert stats.skipped == {"empty_content": 1}
+    stats = ReadStats()
+    assert [r.messages for r in iter_records(path, skip_bad=True, stats=stats)] == [CHAT]
+    assert stats.skipped == {"no_assistant_turn": 2, "no_content_field": 2}

@@ -24,7 +24,7 @@ from dflash_pipeline.extract.regenerate import RegenerateSettings, cache_path, r
 from dflash_pipeline.extract.run import run_extraction
 from dflash_pipeline.shared.generation.engine import EngineSettings
 from dflash_pipeline.shared.manifest import load_manifest
-from dflash_pipeline.shared.speculative import target_greedy
+from dflash_pipeline.shared.speculative import target_generate
 from dflash_pipeline.shared.store import FeatureStore, stores_equal
 from dflash_pipeline.train.holdout import prompt_groups
 from dflash_pipeline.train.packing import split_holdout
@@ -79,7 +79,7 @@ def test_greedy_replies_equal_target_greedy_decoding_turn_by_turn(target, tiny_t
             if m["role"] == "assistant":  # each reply is what the target says after the new history
                 prompt = tiny_tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
                 prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
-                want = target_greedy(target, torch.tensor(prompt), 12, stops).tokens
+                want = target_generate(target, torch.tensor(prompt), 12, stops).tokens
                 body = [t for t in want if t not in stops]
                 assert m["content"] == tiny_tokenizer.decode(body, skip_special_tokens=True)
             history.append(m)

@@ -8,6 +8,7 @@ happens, so a wrong KV-cache crop or feature hand-off would change the target's 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from click.testing import CliRunner
 from dflash_pipeline.data.chat import stop_token_ids
 from dflash_pipeline.extract.target import HiddenStateCapture, load_full_target
 from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter
-from dflash_pipeline.shared.speculative import dflash_generate, target_greedy
+from dflash_pipeline.shared.generation.sampling import SamplingParams, filtered_probs
+from dflash_pipeline.shared.speculative import Generation, dflash_generate, target_generate
 
 B = 8
 
@@ -44,7 +46,7 @@ def test_untrained_drafter_output_equals_target_greedy(target, tiny_tokenizer):
     capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
     try:
         for p in prompts(tiny_tokenizer, 3):
-            ref = target_greedy(target, p, 40, set())
+            ref = target_generate(target, p, 40, set())
             spec = dflash_generate(target, drafter, capture, p, 40, set())
             assert spec.tokens == ref.tokens
             assert sum(spec.accepted) >= len(spec.tokens) - 1 and all(1 <= a <= B for a in spec.accepted)
@@ -52,50 +54,108 @@ def test_untrained_drafter_output_equals_target_greedy(target, tiny_tokenizer):
         capture.close()
 
 
-def test_oracle_drafter_is_accepted_up_to_its_first_wrong_token(target, tiny_tokenizer, monkeypatch):
-    p = prompts(tiny_tokenizer, 1)[0]
-    n_new = 60
-    ref = target_greedy(target, p, n_new + B, set()).tokens
+def oracle_run(target, prompt, ref: list[int], wrong_at: list[int], max_new: int, stop: set[int],
+               monkeypatch) -> tuple[Generation, list[int]]:
+    """dflash_generate with a drafter that proposes the target's greedy continuation `ref`, its draft
+    `wrong_at[step]` corrupted (>= B-1: none); also returns the block size of every step. Checks that
+    every token before a block was handed to the drafter exactly once, with its true features."""
     drafter = random_drafter(target)
-    wrong_at = [3, 0, 6, 1, 7, 2, 5, 4] * 10  # index of the corrupted draft in each step (7 = none wrong)
-    step = {"n": 0, "seen": 0, "fed": []}
+    step = {"n": 0, "seen": 0, "fed": [], "sizes": []}
     real_step = drafter.forward_step
     capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
     with torch.no_grad():
-        target(input_ids=torch.cat([p, torch.tensor(ref)])[None])
+        target(input_ids=torch.cat([prompt, torch.tensor(ref)])[None])
     full_features = torch.cat(capture.take(), dim=-1)  # what a full forward gives every position
 
     def spy_step(ctx, ctx_pos, emb, positions, cache):
         step["seen"] = int(positions[0, 0])
+        step["sizes"].append(positions.shape[1])
         step["fed"].extend(ctx_pos[0].tolist())
-        # every token before the block has been handed over exactly once, with its true features
         assert step["fed"] == list(range(step["seen"]))
         torch.testing.assert_close(ctx, full_features[:, ctx_pos[0]], rtol=1e-4, atol=1e-4)
         return real_step(ctx, ctx_pos, emb, positions, cache)
 
     def oracle_logits(hidden, _weight):
-        start = step["seen"] - len(p) + 1  # index, in the generated tokens, of the first draft
-        want = list(ref[start : start + B - 1])
+        n = hidden.shape[1]
+        start = step["seen"] - len(prompt) + 1  # index, in the generated tokens, of the first draft
+        want = list(ref[start : start + n])
         k = wrong_at[step["n"]]
-        if k < B - 1:
+        if k < n:
             want[k] = (want[k] + 1) % target.config.vocab_size
         step["n"] += 1
-        logits = torch.zeros(1, B - 1, target.config.vocab_size)
-        logits[0, torch.arange(B - 1), torch.tensor(want)] = 1.0
+        logits = torch.zeros(1, n, target.config.vocab_size)
+        logits[0, torch.arange(n), torch.tensor(want)] = 1.0
         return logits
 
     monkeypatch.setattr(drafter, "forward_step", spy_step)
     monkeypatch.setattr(drafter, "compute_logits", oracle_logits)
     try:
-        spec = dflash_generate(target, drafter, capture, p, n_new, set())
+        return dflash_generate(target, drafter, capture, prompt, max_new, stop), step["sizes"]
     finally:
         capture.close()
+
+
+def reference_counts(ref: list[int], wrong_at: list[int], max_new: int, stop: set[int]) -> list[int]:
+    """Acceptance lengths as the reference's loop (dflash 0.1.0 model.py) counts them, in its own
+    terms: `start` indexes the last output token, the block shrinks to `max_length - start`, a step
+    produces min(accepted + 1, max_length - start - 1) tokens, cut after the first stop token."""
+    start, max_length, lengths = 0, max_new, []
+    stopped = ref[0] in stop
+    while start + 1 < max_length and not stopped:
+        verify_size = min(B, max_length - start)
+        acceptance = min(wrong_at[len(lengths)], verify_size - 1)
+        produced = min(acceptance + 1, max_length - start - 1)
+        hits = [i for i, t in enumerate(ref[start + 1 : start + produced + 1]) if t in stop]
+        if hits:
+            produced, stopped = hits[0] + 1, True
+        start += produced
+        lengths.append(produced)
+    return lengths
+
+
+WRONG_AT = [3, 0, 6, 1, 7, 2, 5, 4] * 10  # index of the corrupted draft in each step (7 = none wrong)
+
+
+def test_oracle_drafter_is_accepted_up_to_its_first_wrong_token(target, tiny_tokenizer, monkeypatch):
+    p = prompts(tiny_tokenizer, 1)[0]
+    n_new = 60
+    ref = target_generate(target, p, n_new + B, set()).tokens
+    spec, _ = oracle_run(target, p, ref, WRONG_AT, n_new, set(), monkeypatch)
     assert spec.tokens == ref[:n_new]
     # k correct drafts, then the target's own token: k + 1 tokens per verify step (B when none is wrong)
-    expected = [min(k, B - 1) + 1 for k in wrong_at[: len(spec.accepted)]]
+    expected = [min(k, B - 1) + 1 for k in WRONG_AT[: len(spec.accepted)]]
     assert spec.accepted[:-1] == expected[:-1]
     assert spec.tau == pytest.approx(sum(spec.accepted) / len(spec.accepted))
     assert spec.tau > 3
+
+
+@pytest.mark.parametrize("n_new", [1, 2, 9, 20, 21, 37])
+def test_counts_at_the_token_limit_follow_the_reference(target, tiny_tokenizer, monkeypatch, n_new):
+    """The last block drafts only the tokens that are left, and a bonus token past the limit is
+    neither output nor counted: every step's count equals the reference's, and they sum to the
+    output length minus the first token (which comes from the prompt's forward)."""
+    p = prompts(tiny_tokenizer, 1)[0]
+    ref = target_generate(target, p, n_new + B, set()).tokens
+    for wrong_at in ([B] * 10, WRONG_AT):
+        spec, sizes = oracle_run(target, p, ref, wrong_at, n_new, set(), monkeypatch)
+        assert spec.tokens == ref[:n_new]
+        assert spec.accepted == reference_counts(ref, wrong_at, n_new, set())
+        assert sum(spec.accepted) == n_new - 1 and max(sizes, default=B) <= B
+        assert sizes == [min(B, n_new - 1 - sum(spec.accepted[:i]) + 1) for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("stop_at", [0, 1, 5, 8, 12, 16])
+def test_counts_stop_at_the_stop_token_like_the_reference(target, tiny_tokenizer, monkeypatch, stop_at):
+    """A stop token inside an accepted block ends the output and the step's count there."""
+    p = prompts(tiny_tokenizer, 1)[0]
+    ref = target_generate(target, p, 40, set()).tokens
+    stop = {ref[stop_at]}
+    end = ref.index(ref[stop_at])  # its first occurrence
+    for wrong_at in ([B] * 10, WRONG_AT):
+        spec, _ = oracle_run(target, p, ref, wrong_at, 30, stop, monkeypatch)
+        assert spec.tokens == ref[: end + 1] == target_generate(target, p, 30, stop).tokens
+        assert spec.accepted == reference_counts(ref, wrong_at, 30, stop)
+        assert sum(spec.accepted) == end
 
 
 @torch.no_grad()
@@ -138,7 +198,10 @@ def online_and_training_logits(target, drafter, prompt: torch.Tensor, backend: s
     with torch.no_grad(), autocast:
         hidden = drafter_hidden(drafter, head, batch, backend)
     offline = compute(hidden.float(), lm_head).reshape(len(anchors), B, -1)[:, 1:]
-    return online, offline
+    # near max_new_tokens blocks draft only what is left, so training has no blocks like them
+    full = sum(len(logits) == B - 1 for logits in online)
+    assert full > 5 and all(len(logits) < B - 1 for logits in online[full:])
+    return online[:full], offline[:full]
 
 
 def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny_tokenizer, monkeypatch):
@@ -175,9 +238,84 @@ def test_online_drafts_match_the_compiled_training_path_on_cuda(tiny_target_dir,
     assert torch.equal(online.argmax(-1)[clear], offline.argmax(-1)[clear])
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny forwards on several threads mostly wait on each other (10x slower on a shared 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def exact_joint(target, prompt: torch.Tensor, sampling: SamplingParams, k: int) -> tuple[dict, list[torch.Tensor]]:
+    """The target's exact probability of every sequence of its first `k` sampled tokens (enumerated over
+    the filtered support), and each position's marginal token distribution."""
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    marginals = []
+    for _ in range(k):
+        heads = list(joint)
+        with torch.inference_mode():
+            logits = target(input_ids=torch.stack([torch.cat([prompt, torch.tensor(h, dtype=torch.long)])
+                                                   for h in heads])).logits[:, -1]
+        probs = filtered_probs(logits, sampling)
+        marginals.append(sum(joint[h] * row for h, row in zip(heads, probs)))
+        joint = {h + (t,): joint[h] * float(row[t])
+                 for h, row in zip(heads, probs) for t in row.nonzero()[:, 0].tolist()}
+    return joint, marginals
+
+
+def tv_to(joint: dict, samples: list[tuple[int, ...]]) -> float:
+    counts = {c: samples.count(c) / len(samples) for c in set(samples)}
+    return 0.5 * sum(abs(counts.get(c, 0.0) - joint.get(c, 0.0)) for c in joint.keys() | counts.keys())
+
+
+def test_speculative_sampling_keeps_the_target_distribution(target, tiny_tokenizer, monkeypatch, one_thread):
+    """Over many seeds the first K tokens of speculative sampling follow the target's own filtered
+    distribution, as target-only sampling does. The drafter proposes each position's target marginal,
+    so drafts are often accepted, often rejected, and sometimes all accepted with a bonus token (block 3,
+    K = 4). The bound is Bretagnolle-Huber-Carol's: P(TV >= eps) <= 2^cells exp(-2 N eps^2) = 1e-3,
+    eps = 0.12 here; measured TV: target-only 0.05, speculative 0.07, and with wrong rules: always
+    accepting the drafts 0.57, resampling a rejected position from p instead of the residual 0.24."""
+    K, N, block = 4, 600, 3
+    sampling = SamplingParams(temperature=0.05, top_k=2)
+    p = prompts(tiny_tokenizer, 1)[0]
+    joint, marginals = exact_joint(target, p, sampling, K)
+    eps = math.sqrt((len(joint) * math.log(2) + math.log(1000)) / (2 * N))
+    drafter = random_drafter(target)
+    drafted_at = {}
+    real_step = drafter.forward_step
+
+    def spy_step(ctx, ctx_pos, emb, positions, cache):
+        drafted_at["first"] = int(positions[0, 0]) - len(p) + 1  # index of the first draft in the output
+        return real_step(ctx, ctx_pos, emb, positions, cache)
+
+    def marginal_logits(hidden, _weight):  # logits whose filtered distribution is the marginal
+        at = drafted_at["first"]
+        return torch.stack([sampling.temperature * marginals[at + j].clamp_min(1e-30).log()
+                            for j in range(hidden.shape[1])])[None]
+
+    monkeypatch.setattr(drafter, "forward_step", spy_step)
+    monkeypatch.setattr(drafter, "compute_logits", marginal_logits)
+    capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
+    def seeded(s: int) -> torch.Generator:
+        return torch.Generator().manual_seed(s)
+
+    try:
+        spec = [dflash_generate(target, drafter, capture, p, K, set(), block, sampling, seeded(s)) for s in range(N)]
+        again = dflash_generate(target, drafter, capture, p, K, set(), block, sampling, seeded(0))
+    finally:
+        capture.close()
+    assert again.tokens == spec[0].tokens and again.accepted == spec[0].accepted  # the seed decides
+    base = [tuple(target_generate(target, p, K, set(), sampling, seeded(s)).tokens) for s in range(N)]
+    assert tv_to(joint, base) < eps
+    assert tv_to(joint, [tuple(g.tokens) for g in spec]) < eps
+    # every path was taken: rejected at once, after one accepted draft, all accepted plus the bonus
+    assert {a for g in spec for a in g.accepted} == {1, 2, 3}
+
+
 def test_generation_stops_at_a_stop_token(target, tiny_tokenizer):
     p = prompts(tiny_tokenizer, 1)[0]
-    ref = target_greedy(target, p, 30, set()).tokens
+    ref = target_generate(target, p, 30, set()).tokens
     stop = {ref[5]}
     first = ref.index(ref[5])
     drafter = random_drafter(target)
@@ -186,24 +324,74 @@ def test_generation_stops_at_a_stop_token(target, tiny_tokenizer):
         spec = dflash_generate(target, drafter, capture, p, 30, stop)
     finally:
         capture.close()
-    assert spec.tokens == ref[: first + 1] == target_greedy(target, p, 30, stop).tokens
+    assert spec.tokens == ref[: first + 1] == target_generate(target, p, 30, stop).tokens
 
 
-def test_dflash_eval_cli_writes_a_lossless_json_report(target, tiny_target_dir, sample_corpus, tmp_path):
+def run_eval(target, tiny_target_dir, prompts_path, tmp_path, *extra: str) -> tuple[dict, str]:
     from dflash_pipeline.train.eval_cli import main
 
     random_drafter(target).save_pretrained(tmp_path / "drafter")
     report_path = tmp_path / "eval.json"
     result = CliRunner().invoke(main, [
-        "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "drafter"), "--prompts", str(sample_corpus),
+        "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_path),
         "--limit", "3", "--max-new-tokens", "24", "--device", "cpu", "--dtype", "float32", "--json", str(report_path),
+        *extra,
     ])
     assert result.exit_code == 0, result.output
-    report = json.loads(report_path.read_text())
+    return json.loads(report_path.read_text()), result.output
+
+
+def test_dflash_eval_cli_writes_a_lossless_json_report(target, tiny_target_dir, sample_corpus, tmp_path):
+    report, output = run_eval(target, tiny_target_dir, sample_corpus, tmp_path)
     assert report["num_prompts"] == 3 and report["all_lossless"] is True
     assert report["block_size"] == B and 1 <= report["tau"] <= B and report["speedup"] > 0
-    assert all(r["lossless"] and r["new_tokens"] <= 24 for r in report["per_prompt"])
-    assert json.loads(result.output[result.output.index("{"):])["tau"] == pytest.approx(report["tau"])
+    rows = report["per_prompt"]
+    assert all(r["lossless"] and r["new_tokens"] <= 24 for r in rows)
+    assert all(r["dflash_tokens"] == r["target_tokens"] and len(r["dflash_tokens"]) == r["new_tokens"] for r in rows)
+    assert all(sum(r["accepted"]) == r["new_tokens"] - 1 for r in rows)
+    # tau as the reference benchmark: mean of per-prompt means; tau_pooled: all tokens over all steps
+    assert report["tau"] == pytest.approx(sum(sum(r["accepted"]) / len(r["accepted"]) for r in rows) / 3)
+    steps = [a for r in rows for a in r["accepted"]]
+    assert report["tau_pooled"] == pytest.approx(sum(steps) / len(steps))
+    assert json.loads(output[output.index("{"):])["tau"] == pytest.approx(report["tau"])
+
+
+def test_tau_is_the_mean_of_per_prompt_means_like_the_reference():
+    from dflash_pipeline.train.eval_cli import taus
+
+    assert taus([[8, 8], [1, 1, 1, 1], []]) == {"tau": pytest.approx(4.5), "tau_pooled": pytest.approx(20 / 6)}
+    assert all(math.isnan(v) for v in taus([[]]).values())
+
+
+def test_dflash_eval_reads_prompt_only_records(target, tiny_target_dir, tiny_tokenizer, tmp_path):
+    from dflash_pipeline.train.eval_cli import prompts_from
+
+    question = [{"role": "user", "content": "Name three colours."}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": question}, {"conversations": [{"from": "human", "value": "Name three colours."}]},
+        {"prompt": "Name three colours."}, {"messages": [*question, {"role": "assistant", "content": "Red."}]},
+        {"messages": [*question, {"role": "assistant", "content": "Red."}, {"role": "user", "content": "More?"}]},
+    ]) + "\n")
+    def ids(messages):
+        return tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"]
+
+    # without replies the whole record, with them up to the first reply, unless a user turn ends it
+    assert prompts_from(str(path), tiny_tokenizer, 10, 1024) == [ids(question)] * 4 + [ids(json.loads(
+        path.read_text().splitlines()[4])["messages"])]
+    report, _ = run_eval(target, tiny_target_dir, path, tmp_path)
+    assert report["num_prompts"] == 3 and report["all_lossless"] is True
+
+
+def test_dflash_eval_samples_without_the_lossless_check(target, tiny_target_dir, sample_corpus, tmp_path):
+    args = ("--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "7")
+    report, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path, *args)
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7}
+    assert report["all_lossless"] is None and report["lossless_check"].startswith("skipped")
+    assert all(r["lossless"] is None and sum(r["accepted"]) == r["new_tokens"] - 1 for r in report["per_prompt"])
+    other, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path / "other", *args[:-1], "8")
+    assert [r["dflash_tokens"] for r in other["per_prompt"]] != [r["dflash_tokens"] for r in report["per_prompt"]]
 
 
 def test_stop_token_ids_include_eos_and_end_of_turn(tiny_tokenizer):

@@ -1,8 +1,10 @@
 """`dflash-eval`: real speculative decoding with a trained drafter against target-only decoding.
 
-For every prompt both decoders run greedily in the same process, one after the other; the output of
-the speculative run must equal the target's own (lossless) and is checked. Reports the mean
-acceptance length tau (tokens per target forward) and the wall-clock speedup, as JSON.
+For every prompt both decoders run in the same process, one after the other. Greedy (the default),
+the speculative output must equal the target's own (lossless) and is checked; sampled
+(`--temperature` > 0), outputs differ by chance, so only tau and speed are reported. tau is counted
+as the z-lab reference (`dflash` 0.1.0) counts it: the mean over prompts of each prompt's mean
+acceptance length; `tau_pooled` is all tokens over all verify steps. Reported as JSON.
 """
 
 from __future__ import annotations
@@ -16,19 +18,20 @@ import torch
 
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
-    """Chat prompts: the messages before the first assistant turn, with the generation prompt."""
+    """Chat prompts with the generation prompt: a conversation that ends in a user turn (prompt-only
+    records: OpenAI/ShareGPT without replies, `{"prompt": ...}`) whole, one with replies up to its
+    first assistant turn; plain text records as they are."""
     from dflash_pipeline.data.records import iter_records
 
     prompts: list[list[int]] = []
-    for record in iter_records(path, skip_bad=True):
+    for record in iter_records(path, skip_bad=True, prompts=True):
         if len(prompts) >= limit:
             break
         if record.messages:
-            head = []
-            for m in record.messages:
-                if m["role"] == "assistant":
-                    break
-                head.append(m)
+            roles = [m["role"] for m in record.messages]
+            head = record.messages
+            if roles[-1] != "user":
+                head = head[: roles.index("assistant")] if "assistant" in roles else []
             if not head:
                 continue
             ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
@@ -39,13 +42,25 @@ def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> li
     return prompts
 
 
+def taus(accepted: list[list[int]]) -> dict[str, float]:
+    """`tau` as the reference benchmark reports it, the mean over prompts (those with a verify step) of
+    each prompt's mean acceptance length; `tau_pooled`, all tokens over all verify steps, weighs long
+    outputs more."""
+    means = [sum(a) / len(a) for a in accepted if a]
+    steps = sum(len(a) for a in accepted)
+    return {"tau": sum(means) / len(means) if means else float("nan"),
+            "tau_pooled": sum(map(sum, accepted)) / steps if steps else float("nan")}
+
+
 def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: int, max_new_tokens: int,
-             device: str, dtype: str, block_size: int | None, max_prompt_tokens: int = 1024) -> dict:
+             device: str, dtype: str, block_size: int | None, max_prompt_tokens: int = 1024,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
     from dflash_pipeline.data.chat import stop_token_ids
     from dflash_pipeline.extract.assets import load_tokenizer
     from dflash_pipeline.extract.target import HiddenStateCapture, load_full_target
     from dflash_pipeline.shared.drafter import DFlashDrafter
-    from dflash_pipeline.shared.speculative import dflash_generate, target_greedy
+    from dflash_pipeline.shared.generation.sampling import SamplingParams
+    from dflash_pipeline.shared.speculative import dflash_generate, target_generate
 
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -57,27 +72,37 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
     prompts = prompts_from(prompts_path, tokenizer, limit, max_prompt_tokens)
     if not prompts:
         raise click.UsageError(f"{prompts_path}: no usable prompts")
+    sampling = SamplingParams(temperature, top_p, top_k)
+
+    def generator(n: int) -> torch.Generator:
+        """Prompt n's random stream: the same for both decoders and any --limit."""
+        return torch.Generator(dev).manual_seed(seed + n)
+
     # one warm-up of each path so the first measured prompt does not pay for lazy initialisation
     warm = torch.tensor(prompts[0], device=dev)
-    target_greedy(target, warm, 4, stop_ids)
-    dflash_generate(target, drafter, capture, warm, 4, stop_ids, block_size)
+    target_generate(target, warm, 4, stop_ids, sampling, generator(0))
+    dflash_generate(target, drafter, capture, warm, 4, stop_ids, block_size, sampling, generator(0))
     rows = []
-    for ids in prompts:
+    for n, ids in enumerate(prompts):
         p = torch.tensor(ids, device=dev)
-        base = target_greedy(target, p, max_new_tokens, stop_ids)
-        spec = dflash_generate(target, drafter, capture, p, max_new_tokens, stop_ids, block_size)
+        base = target_generate(target, p, max_new_tokens, stop_ids, sampling, generator(n))
+        spec = dflash_generate(target, drafter, capture, p, max_new_tokens, stop_ids, block_size, sampling,
+                               generator(n))
         rows.append({"prompt_tokens": len(ids), "new_tokens": len(spec.tokens), "tau": spec.tau,
-                     "lossless": spec.tokens == base.tokens, "target_s": base.seconds, "dflash_s": spec.seconds,
-                     "accepted": spec.accepted})
+                     "lossless": spec.tokens == base.tokens if sampling.greedy else None,
+                     "target_s": base.seconds, "dflash_s": spec.seconds, "accepted": spec.accepted,
+                     "target_tokens": base.tokens, "dflash_tokens": spec.tokens})
     capture.close()
-    steps = sum(len(r["accepted"]) for r in rows)
     return {
         "target": target_path, "drafter": drafter_path, "prompts": prompts_path, "num_prompts": len(rows),
         "max_new_tokens": max_new_tokens, "block_size": block_size or drafter.config.block_size,
         "device": str(dev), "dtype": str(torch_dtype).removeprefix("torch."),
-        "tau": sum(sum(r["accepted"]) for r in rows) / steps if steps else float("nan"),
+        "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
+        **taus([r["accepted"] for r in rows]),
         "speedup": sum(r["target_s"] for r in rows) / sum(r["dflash_s"] for r in rows),
-        "all_lossless": all(r["lossless"] for r in rows),
+        "all_lossless": all(r["lossless"] for r in rows) if sampling.greedy else None,
+        "lossless_check": "greedy: dflash_tokens must equal target_tokens" if sampling.greedy else
+                          "skipped: with sampling the two decodings draw different tokens by chance",
         "per_prompt": rows,
     }
 
@@ -85,21 +110,27 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--target", required=True, help="The target model folder (as given to dflash-extract).")
 @click.option("--drafter", required=True, help="A trained drafter folder (dflash-train's OUT/drafter).")
-@click.option("--prompts", required=True, help="Prompt records (same formats as --data of dflash-extract).")
+@click.option("--prompts", required=True,
+              help='Prompt records: the formats of --data of dflash-extract, also without replies, or {"prompt": ...}.')
 @click.option("--limit", default=16, type=click.IntRange(1), help="Number of prompts.")
 @click.option("--max-new-tokens", default=128, type=click.IntRange(1))
 @click.option("--block-size", default=None, type=click.IntRange(2), help="[default: the drafter's]")
 @click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto")
+@click.option("--temperature", default=0.0, type=click.FloatRange(0), help="0: greedy, checked lossless.")
+@click.option("--top-p", default=1.0, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, type=click.IntRange(0), help="0: no top-k filter.")
+@click.option("--seed", default=0, type=int, help="Seed of the sampling (prompt n uses seed + n).")
 @click.option("--json", "json_path", default=None, help="Write the full report here.")
-def main(target, drafter, prompts, limit, max_new_tokens, block_size, device, dtype, json_path) -> None:
+def main(target, drafter, prompts, limit, max_new_tokens, block_size, device, dtype, temperature, top_p, top_k, seed,
+         json_path) -> None:
     """Measure acceptance length and speedup of a drafter; check lossless greedy decoding."""
     report = evaluate(target, drafter, prompts, limit=limit, max_new_tokens=max_new_tokens, device=device,
-                      dtype=dtype, block_size=block_size)
+                      dtype=dtype, block_size=block_size, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     click.echo(json.dumps({k: v for k, v in report.items() if k != "per_prompt"}, indent=1))
-    if not report["all_lossless"]:
+    if report["all_lossless"] is False:
         click.echo("dflash-eval: error: speculative output differs from target greedy output", err=True)
         sys.exit(1)
 

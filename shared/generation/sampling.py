@@ -69,22 +69,30 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return _shift_right(z, 40).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def choose_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The next token of each row ([b] int64) from float32 logits [b, vocab]; row r's draw depends on
-    its logits, keys[r] and steps[r] only. No host synchronisation (CUDA-graph safe)."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    scaled = logits / params.temperature
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 probabilities [..., vocab] of the distribution `params` samples from (not greedy):
+    softmax(logits / temperature) over the top_k likeliest tokens, then over the smallest set of the
+    likeliest whose mass reaches top_p, renormalised. Speculative sampling filters drafter and target
+    through this same function, which its rejection rule needs to be exact."""
+    scaled = logits.float() / params.temperature
     if params.top_k and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    order = None
     if params.top_p < 1:
-        probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the more likely tokens
-        probs = probs.masked_fill(before >= params.top_p, 0.0)  # the first token always stays
-    cdf = torch.cumsum(probs, dim=-1)
+        ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(ordered, dim=-1) - ordered  # mass of the more likely tokens
+        ordered = ordered.masked_fill(before >= params.top_p, 0.0)  # the first token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def choose_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The next token of each row ([b] int64) from logits [b, vocab]; row r's draw depends on its
+    logits, keys[r] and steps[r] only. No host synchronisation (CUDA-graph safe)."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    cdf = torch.cumsum(filtered_probs(logits, params), dim=-1)
     target = uniforms(keys, steps).unsqueeze(-1) * cdf[:, -1:]
-    index = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
-    return (index if order is None else torch.gather(order, -1, index)).squeeze(-1)
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
