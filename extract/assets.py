@@ -1,7 +1,7 @@
 """The target pieces a store carries besides hidden states: tokenizer, config, frozen head weights.
 
-They go to `ROOT/target/` once (written to a temporary folder, then renamed), so stage two and the
-evaluator never need the target checkpoint to build and train the drafter.
+They go to `ROOT/target/` once (written to a temporary folder, fsynced, then renamed), so stage two
+and the evaluator never need the target checkpoint to build and train the drafter.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 
 from dflash_pipeline.extract.target import gguf_file_of, text_config
 from dflash_pipeline.shared.drafter import TargetHead
+from dflash_pipeline.shared.durable import replace_dir_durably
 
 TARGET_DIR = "target"
 HEAD_FILE = "target_head.safetensors"
@@ -58,8 +59,7 @@ def export_target_assets(
     )
     target_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp / "tokenizer")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    replace_dir_durably(tmp, final)
     return final
 
 

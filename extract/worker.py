@@ -10,7 +10,6 @@ process's main thread only.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from dflash_pipeline.extract.target import (
     forward_hidden_states,
     load_truncated_target,
 )
+from dflash_pipeline.shared.durable import write_bytes_durably
 from dflash_pipeline.shared.progress import progress_bar
 from dflash_pipeline.shared.store import StoreWriter
 
@@ -259,8 +259,11 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
     return summary
 
 
+# Wall-clock times of one invocation: reported by the CLI, kept out of the store so that identical
+# runs write identical bytes.
+RUN_TIMES = ("seconds", "writer_wait_s", "generate_seconds")
+
+
 def write_rank_summary(root: Path, summary: RankSummary) -> None:
-    path = root / "shards" / f"rank-{summary.rank:05d}.summary.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary.to_dict(), indent=1))
-    os.replace(tmp, path)
+    record = {k: v for k, v in summary.to_dict().items() if k not in RUN_TIMES}
+    write_bytes_durably(root / "shards" / f"rank-{summary.rank:05d}.summary.json", json.dumps(record, indent=1).encode())

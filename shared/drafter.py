@@ -543,6 +543,25 @@ class DFlashDrafter(nn.Module):
         return model.to(device=device, dtype=dtype)
 
 
+def sort_safetensors_metadata(file: Path) -> None:
+    """Rewrite the header of a safetensors file with its `__metadata__` keys sorted, in place.
+
+    safetensors writes the metadata from a Rust HashMap, in an order that changes from run to run;
+    the store's `weights_fingerprint` hashes this file, so identical runs must write identical bytes.
+    Tensor entries keep their (deterministic) order; the header keeps its length (space padded).
+    """
+    with open(file, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        if "__metadata__" in header:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(body) > size:
+            raise ValueError(f"{file}: sorted safetensors header is longer than the original")
+        f.seek(8)
+        f.write(body.ljust(size, b" "))
+
+
 class TargetHead(nn.Module):
     """Frozen target pieces the drafter reuses: input embedding, LM head (may be tied: the same
     tensor), final norm. Buffers, never trained, never saved with the drafter."""
@@ -604,6 +623,7 @@ class TargetHead(nn.Module):
         tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
         meta = {**(metadata or {}), "tied": "true" if tied else "false", "norm_eps": repr(float(norm_eps))}
         save_file(tensors, str(file), metadata=meta)
+        sort_safetensors_metadata(file)
         return file
 
     @classmethod

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .durable import write_bytes_durably
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -49,27 +50,6 @@ class StoreMismatch(StoreError):
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Replace `path` by `payload` so that readers and crash survivors see the old or the new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or file creation inside `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # Keys of `Manifest.target`; `weights_fingerprint` is filled when the store is marked complete.
@@ -208,7 +188,7 @@ def write_manifest(root: str | Path, manifest: Manifest) -> None:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     payload = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode() + b"\n"
-    atomic_write_bytes(root / MANIFEST_FILE, payload)
+    write_bytes_durably(root / MANIFEST_FILE, payload)
 
 
 def load_manifest(root: str | Path) -> Manifest:

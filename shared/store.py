@@ -50,6 +50,7 @@ import zarr
 import zarr.codecs
 from zarr.core.sync import sync
 
+from .durable import fsync_path, write_bytes_durably
 from .manifest import (
     STORAGE_DTYPES,
     Manifest,
@@ -57,7 +58,6 @@ from .manifest import (
     StoreError,
     StoreIncomplete,
     StoreMismatch,
-    atomic_write_bytes,
     check_compatible,
     load_manifest,
 )
@@ -157,13 +157,9 @@ class Sample:
 
 def _fsync_path(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fsync_path(path)
     except FileNotFoundError:  # zarr leaves out a shard whose chunks are all fill value
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        pass
 
 
 class _ShardRows:
@@ -481,7 +477,7 @@ class StoreWriter:
         c = self._commit
         record = {"format_version": FORMAT_VERSION, "rank": self.rank, "batches": c.batches, "samples": c.samples,
                   "tokens": c.tokens, "done": c.done, "layout": self.layout}
-        atomic_write_bytes(self.progress_file, json.dumps(record, indent=1).encode())
+        write_bytes_durably(self.progress_file, json.dumps(record, indent=1).encode())
 
     def _resize(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Change array shapes by rewriting metadata only, dropping shard files beyond the new end.

@@ -273,6 +273,19 @@ def test_target_head_save_load(tmp_path, tied):
         TargetHead.load(tmp_path / "nowhere")
 
 
+def test_target_head_bytes_do_not_depend_on_metadata_order(tmp_path):
+    """safetensors writes metadata in HashMap order; the file (the store's weights fingerprint) must not."""
+    embed = torch.randn(50, H)
+    keys = [f"k{i}" for i in range(8)]
+    files = [TargetHead.save(tmp_path / str(n), embed_tokens=embed, metadata={k: "v" for k in order})
+             for n, order in enumerate((keys, keys[::-1]))]
+    raw = files[0].read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"])  # 1/10! by chance with HashMap order
+    assert files[0].read_bytes() == files[1].read_bytes()
+    assert TargetHead.load(files[1]).tied
+
+
 def test_compute_logits_multiplier_and_softcap():
     model = tiny_drafter(output_multiplier=0.5, final_logit_softcapping=2.0)
     h, w = torch.randn(3, H), torch.randn(50, H)

@@ -103,6 +103,32 @@ def test_bf16_store_within_bf16_tolerance_and_manifest(tiny_target_dir, tmp_path
     torch.testing.assert_close(s.hidden_states.float(), want, rtol=1.6e-2, atol=1e-2)
 
 
+# The wall-clock record of a store (docs/FORMAT.md): the only bytes two identical runs may differ in.
+RUN_TIME_MANIFEST_KEYS = ("created", "finished")
+
+
+def store_files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` by relative path, the manifest with its timestamps left out."""
+    files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    manifest = json.loads(files["manifest.json"])
+    assert all(manifest[k] for k in RUN_TIME_MANIFEST_KEYS)
+    files["manifest.json"] = json.dumps({k: v for k, v in manifest.items() if k not in RUN_TIME_MANIFEST_KEYS}).encode()
+    return files
+
+
+def test_identical_runs_write_identical_bytes(tiny_target_dir, tmp_path):
+    """Every file of the store, the target head (whose hash is the manifest's weights fingerprint)
+    and the rank summaries included; two runs give four chances to a run-dependent order."""
+    data = small_corpus(tmp_path, 8)
+    trees = []
+    for name in ("a", "b"):
+        extract(tiny_target_dir, data, tmp_path / name, workers=2)
+        trees.append(store_files(tmp_path / name))
+    assert "target/target_head.safetensors" in trees[0] and "shards/rank-00001.summary.json" in trees[0]
+    assert trees[0].keys() == trees[1].keys()
+    assert [k for k in trees[0] if trees[0][k] != trees[1][k]] == []
+
+
 def test_truncated_model_skips_later_layers_and_head(tiny_target_dir):
     from dflash_pipeline.extract.target import load_truncated_target, drop_unused_modules, decoder_layers
 

@@ -362,7 +362,7 @@ def _child(root: str, kill_point: str | None, nth: int) -> None:
 
 
 def _arm(point: str, nth: int, root: Path) -> None:
-    from dflash_pipeline.shared import manifest, shard_io, store
+    from dflash_pipeline.shared import durable, shard_io, store
 
     hits = [0]
 
@@ -387,7 +387,7 @@ def _arm(point: str, nth: int, root: Path) -> None:
     elif point == "before-progress":
         before(W_, "_write_progress")
     elif point == "mid-progress":  # temp record written, rename never happens
-        before(manifest.os, "replace", lambda src, dst: str(dst).endswith("progress.json"))
+        before(durable.os, "replace", lambda src, dst: str(dst).endswith("progress.json"))
     elif point == "mid-shard-write":  # a torn temp file, as if killed inside a shard file's write
         original_writev = shard_io._writev_all
 

@@ -2,13 +2,12 @@
 
 `OUT/checkpoints/step-00000100/` holds the drafter (config.json + model.safetensors, loadable as
 is), `trainer.pt` (optimizer, schedule) and `state.json` (step, data position, store identity).
-It is written under a temporary name and renamed; `OUT/checkpoints/latest` names the newest.
+It is written under a temporary name, fsynced and renamed; `OUT/checkpoints/latest` names the newest.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.shared.drafter import DFlashDrafter
+from dflash_pipeline.shared.durable import replace_dir_durably, write_bytes_durably
 
 LATEST = "latest"
 
@@ -46,11 +46,8 @@ def save_checkpoint(out: Path, model: DFlashDrafter, optimizer, scheduler, state
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps(state.to_dict(), indent=1))
     final = root / name
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, root / LATEST)
+    replace_dir_durably(tmp, final)
+    write_bytes_durably(root / LATEST, name.encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

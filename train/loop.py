@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_pipeline.shared.blocks import default_gamma
 from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
+from dflash_pipeline.shared.durable import write_bytes_durably
 from dflash_pipeline.shared.launch import UserError
 from dflash_pipeline.shared.progress import progress_bar
 from dflash_pipeline.shared.store import FeatureStore
@@ -102,7 +103,7 @@ class MetricsLog:
         self.enabled = enabled
         if enabled and resume_step is not None and path.exists():
             kept = [l for l in path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= resume_step]
-            path.write_text("".join(l + "\n" for l in kept))
+            write_bytes_durably(path, "".join(l + "\n" for l in kept).encode())  # a crash keeps the old log
         elif enabled and resume_step is None:
             path.write_text("")
 
