@@ -8,6 +8,7 @@ import sys
 import click
 
 from dflash_pipeline.shared.config import config_option
+from dflash_pipeline.shared.device import device_option, resolve_device
 
 
 def _int_list(value: str | None) -> tuple[int, ...]:
@@ -54,7 +55,7 @@ class JsonObject(click.ParamType):
 @click.option("--chat-template-kwargs", default=None, type=JsonObject(),
               help='Options of the chat template, e.g. \'{"enable_thinking": false}\' for Qwen3.')
 @click.option("--gpus", default=None, help="GPU ids, one process each [default: 5 if available, else all].")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", help="cpu for runs without GPUs.")
+@device_option()
 @click.option("--workers", default=1, type=click.IntRange(1), help="Processes with --device cpu.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).")
@@ -98,6 +99,7 @@ def main(**opts) -> None:
     opts["regenerate"] = generation.to_dict() if opts.pop("regenerate") else None
     gpus = _int_list(opts.pop("gpus"))
     opts["data"] = tuple(opts["data"])
+    opts["device"] = resolve_device("dflash-extract", opts["device"])
     cfg = ExtractConfig(gpus=gpus, **opts)
     try:
         summary = run_extraction(cfg)

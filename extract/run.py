@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_pipeline.data import data_fingerprint, tokenizer_fingerprint
+from dflash_pipeline.data.records import ReadStats, iter_records
 from dflash_pipeline.extract.assets import load_tokenizer, weights_fingerprint
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.target import config_hash, load_target_config, parse_layer_ids, text_config
@@ -81,9 +82,10 @@ class RunSummary:
 
 def resolve_devices(cfg: ExtractConfig) -> ExtractConfig:
     """Default GPUs: the first five visible (or all, if fewer); CPU when there is no CUDA."""
+    if cfg.gpus and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
+        raise ExtractError(f"--gpus {','.join(map(str, cfg.gpus))}: this run is on the CPU ({why})")
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        if cfg.gpus:
-            raise ExtractError(f"--gpus {','.join(map(str, cfg.gpus))} given but CUDA is not available")
         return replace(cfg, device="cpu")
     if cfg.device == "cuda" and not cfg.gpus:
         return replace(cfg, gpus=tuple(range(min(5, torch.cuda.device_count()))))
@@ -110,8 +112,37 @@ def plan_identity(cfg: ExtractConfig, layer_ids: list[int], world_size: int) -> 
     }
 
 
+def no_records_error(cfg: ExtractConfig, skipped: dict) -> ExtractError:
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()))
+    return ExtractError(f"{', '.join(map(str, cfg.data))}: no usable records found"
+                        + (f" ({sum(skipped.values())} skipped by --skip-bad: {reasons})" if skipped else ""))
+
+
+def require_records(cfg: ExtractConfig) -> None:
+    """Refuse input without one usable record before anything is written: an empty store would look
+    like a finished extraction. Stops at the first record, so good input is barely read."""
+    stats = ReadStats()
+    for path in cfg.data:
+        for _ in iter_records(path, skip_bad=cfg.skip_bad, stats=stats):
+            return
+    raise no_records_error(cfg, dict(stats.skipped))
+
+
+def require_samples(cfg: ExtractConfig, summaries: list[RankSummary], remove: bool) -> None:
+    """All ranks together must hold a sample (a single rank may own none); when --skip-bad dropped
+    every record at tokenization, the store is removed (`remove`: by one process) so that a
+    corrected rerun starts fresh instead of meeting a store of other data."""
+    counts = merge_counts(summaries)
+    if counts["samples"]:
+        return
+    if remove:
+        shutil.rmtree(cfg.out, ignore_errors=True)
+    raise no_records_error(cfg, counts["skipped"])
+
+
 def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]:
     """Create or validate `ROOT/manifest.json`; returns (layer ids, store already complete)."""
+    require_records(cfg)
     root = Path(cfg.out)
     target_config = load_target_config(cfg.target)
     tc = text_config(target_config)
@@ -232,6 +263,8 @@ def run_torchrun(cfg: ExtractConfig) -> RunSummary | None:
         summary = None if complete else run_rank(cfg, rank, world, rank_device(cfg, rank, local_rank), layer_ids)
         gathered = [None] * world
         dist.all_gather_object(gathered, summary)
+        if not complete:
+            require_samples(cfg, gathered, remove=rank == 0)
         if rank == 0 and not complete:
             seal_store(cfg, gathered)
         dist.barrier()
@@ -252,6 +285,7 @@ def run_extraction(cfg: ExtractConfig) -> RunSummary | None:
     summaries = run_spawned(cfg, layer_ids) if cfg.world_size > 1 or cfg.device == "cuda" else [
         run_rank(cfg, 0, 1, torch.device("cpu"), layer_ids)
     ]
+    require_samples(cfg, summaries, remove=True)
     seal_store(cfg, summaries)
     return summarize(cfg, summaries, started, False)
 

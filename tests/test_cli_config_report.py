@@ -60,3 +60,88 @@ def test_report_without_metrics_is_a_clear_error(tmp_path):
 
     result = CliRunner().invoke(main, ["--run", str(tmp_path)])
     assert result.exit_code != 0 and "metrics.jsonl: no metrics" in result.output
+
+
+@pytest.mark.parametrize("text", ["", "\n", json.dumps({"step": 10, "type": "eval", "tau": 1.5}) + "\n"])
+def test_report_of_a_metrics_file_without_loss_rows_is_one_line(tmp_path, text):
+    from dflash_pipeline.train.report import main
+
+    (tmp_path / "metrics.jsonl").write_text(text)
+    result = CliRunner().invoke(main, ["--run", str(tmp_path)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)  # a usage error, no traceback
+    assert "metrics.jsonl: no training loss rows" in result.output
+    assert not (tmp_path / "report.png").exists()
+
+
+def test_report_accepts_dash_h():
+    from dflash_pipeline.train.report import main
+
+    result = CliRunner().invoke(main, ["-h"])
+    assert result.exit_code == 0 and "--run" in result.output
+
+
+def device_cli(name: str, monkeypatch, tmp_path):
+    """A CLI's main, its required arguments and a list that receives the device its run was given."""
+    seen: list[str] = []
+    (tmp_path / "store").mkdir(exist_ok=True)
+    if name == "extract":
+        import dflash_pipeline.extract.run as module
+        from dflash_pipeline.extract.cli import main
+
+        monkeypatch.setattr(module, "run_extraction", lambda cfg: seen.append(cfg.device))
+        return main, ["--target", "t", "--data", "d.jsonl", "--out", str(tmp_path / "o")], seen
+    if name == "train":
+        import dflash_pipeline.train.run as module
+        from dflash_pipeline.train.cli import main
+
+        monkeypatch.setattr(module, "run_training", lambda cfg: seen.append(cfg.device))
+        return main, ["--store", str(tmp_path / "store"), "--out", str(tmp_path / "o")], seen
+    import dflash_pipeline.train.eval_cli as module
+
+    monkeypatch.setattr(module, "evaluate", lambda *a, device, **kw: seen.append(device) or {"all_lossless": True})
+    return module.main, ["--target", "t", "--drafter", "d", "--prompts", "p.jsonl"], seen
+
+
+@pytest.mark.parametrize("name", ["extract", "train", "eval"])
+@pytest.mark.parametrize("has_cuda, args, device, line", [
+    (False, [], "cpu", "running on cpu (no CUDA device)"),
+    (True, [], "cuda", "running on cuda"),
+    (True, ["--device", "cpu"], "cpu", "running on cpu"),
+])
+def test_device_auto_picks_cuda_when_there_is_one_and_the_first_line_says_so(
+        monkeypatch, tmp_path, name, has_cuda, args, device, line):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: has_cuda)
+    main, required, seen = device_cli(name, monkeypatch, tmp_path)
+    result = CliRunner().invoke(main, required + args)
+    assert result.exit_code == 0, result.output
+    assert seen == [device]
+    assert result.stderr.splitlines()[0] == f"dflash-{name}: {line}"
+
+
+@pytest.mark.parametrize("name", ["extract", "train", "eval"])
+def test_device_cuda_without_cuda_is_an_error_naming_the_option(monkeypatch, tmp_path, name):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    main, required, seen = device_cli(name, monkeypatch, tmp_path)
+    result = CliRunner().invoke(main, required + ["--device", "cuda"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit) and seen == []
+    assert "'--device': cuda: no CUDA device is available" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["extract", "train"])
+def test_gpus_on_the_cpu_is_a_one_line_error(monkeypatch, tmp_path, name):
+    import torch
+
+    from dflash_pipeline.extract.cli import main as extract_main
+    from dflash_pipeline.train.cli import main as train_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    main = extract_main if name == "extract" else train_main
+    (tmp_path / "store").mkdir()
+    required = (["--target", "t", "--data", "d.jsonl"] if name == "extract" else ["--store", str(tmp_path / "store")])
+    result = CliRunner().invoke(main, required + ["--out", str(tmp_path / "o"), "--gpus", "0"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert result.stderr.splitlines()[-1] == f"dflash-{name}: error: --gpus 0: this run is on the CPU (no CUDA device)"

@@ -174,3 +174,34 @@ def test_bad_record_fails_with_file_and_line_and_store_stays_incomplete(tiny_tar
     assert m.complete and m.data["counts"]["samples"] == 5
     assert sum(m.data["counts"]["skipped"].values()) == 1
     assert "skipped" in proc.stdout
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_pipeline.extract.cli", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("content, flags, skipped", [
+    ("", [], None),
+    ("{not json\n[1]\n", ["--skip-bad"], "2 skipped by --skip-bad"),  # every record bad at reading
+    (None, ["--skip-bad", "--max-length", "2"], "5 skipped by --skip-bad: no_loss_tokens=5"),  # ... at tokenizing
+])
+def test_input_without_usable_records_is_refused_in_one_line_and_leaves_no_store(
+        tiny_target_dir, tmp_path, content, flags, skipped):
+    data = small_corpus(tmp_path, 5)
+    if content is not None:
+        data.write_text(content)
+    out = tmp_path / "store"
+    proc = run_cli("--target", str(tiny_target_dir), "--data", str(data), "--out", str(out), "--device", "cpu", *flags)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert f"{data}: no usable records found" in err, err
+    assert (skipped in err) if skipped else ("skipped" not in err), err
+    assert not out.exists()  # a corrected rerun into the same --out starts fresh
+
+
+def test_rank_without_records_is_fine_when_others_have_some(tiny_target_dir, tmp_path):
+    out = tmp_path / "store"
+    extract(tiny_target_dir, small_corpus(tmp_path, 1), out, workers=2)
+    m = load_manifest(out)
+    assert m.complete and m.data["counts"]["samples"] == 1

@@ -8,6 +8,7 @@ import click
 
 from dflash_pipeline.extract.cli import _int_list
 from dflash_pipeline.shared.config import config_option
+from dflash_pipeline.shared.device import device_option, resolve_device
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
@@ -35,7 +36,7 @@ from dflash_pipeline.shared.config import config_option
 @click.option("--grad-clip", default=1.0, type=float)
 @click.option("--seed", default=0, type=int)
 @click.option("--gpus", default=None, help="GPU ids, one DDP process each [default: 3 if available, else all].")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda")
+@device_option()
 @click.option("--workers", default=1, type=click.IntRange(1), help="DDP processes with --device cpu (gloo).")
 @click.option("--attention", type=click.Choice(["auto", "flex_compiled", "flex_eager", "sdpa_dense"]), default="auto",
               help="auto: compiled flex_attention on GPU, dense SDPA on CPU.")
@@ -51,6 +52,7 @@ def main(**opts) -> None:
     from dflash_pipeline.train.config import TrainConfig
     from dflash_pipeline.train.run import run_training
 
+    opts["device"] = resolve_device("dflash-train", opts["device"])
     cfg = TrainConfig(gpus=_int_list(opts.pop("gpus")), **opts)
     try:
         result = run_training(cfg)

@@ -16,6 +16,8 @@ from pathlib import Path
 import click
 import torch
 
+from dflash_pipeline.shared.device import device_option, resolve_device
+
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
     """Chat prompts with the generation prompt: a conversation that ends in a user turn (prompt-only
@@ -115,7 +117,7 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
 @click.option("--limit", default=16, type=click.IntRange(1), help="Number of prompts.")
 @click.option("--max-new-tokens", default=128, type=click.IntRange(1))
 @click.option("--block-size", default=None, type=click.IntRange(2), help="[default: the drafter's]")
-@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+@device_option(choices=None)
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto")
 @click.option("--temperature", default=0.0, type=click.FloatRange(0), help="0: greedy, checked lossless.")
 @click.option("--top-p", default=1.0, type=click.FloatRange(0, 1, min_open=True))
@@ -125,6 +127,7 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
 def main(target, drafter, prompts, limit, max_new_tokens, block_size, device, dtype, temperature, top_p, top_k, seed,
          json_path) -> None:
     """Measure acceptance length and speedup of a drafter; check lossless greedy decoding."""
+    device = resolve_device("dflash-eval", device)
     report = evaluate(target, drafter, prompts, limit=limit, max_new_tokens=max_new_tokens, device=device,
                       dtype=dtype, block_size=block_size, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     if json_path:

@@ -13,7 +13,10 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
     if not path.exists():
         raise click.UsageError(f"{path}: no metrics (is --run a dflash-train output folder?)")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "loss" in r], [r for r in rows if r.get("type") == "eval"]
+    train = [r for r in rows if "loss" in r]
+    if not train:  # an empty plot would look like a report of a run that learned nothing
+        raise click.UsageError(f"{path}: no training loss rows yet (has the run logged its first step?)")
+    return train, [r for r in rows if r.get("type") == "eval"]
 
 
 def draw(run: Path, png: Path) -> Path:
@@ -38,7 +41,7 @@ def draw(run: Path, png: Path) -> Path:
     return png
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--run", required=True, type=click.Path(file_okay=False, exists=True), help="dflash-train --out folder.")
 @click.option("--png", default=None, help="Output image [default: RUN/report.png].")
 def main(run: str, png: str | None) -> None:

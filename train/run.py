@@ -14,9 +14,10 @@ from dflash_pipeline.train.loop import RankResult, TrainingError, rank_entry
 
 def resolve_devices(cfg: TrainConfig) -> TrainConfig:
     """Default GPUs: three if available (else all visible); CPU when there is no CUDA."""
+    if cfg.gpus and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
+        raise TrainingError(f"--gpus {','.join(map(str, cfg.gpus))}: this run is on the CPU ({why})")
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        if cfg.gpus:
-            raise TrainingError(f"--gpus {','.join(map(str, cfg.gpus))} given but CUDA is not available")
         return replace(cfg, device="cpu")
     if cfg.device == "cuda" and not cfg.gpus:
         return replace(cfg, gpus=tuple(range(min(3, torch.cuda.device_count()))))
