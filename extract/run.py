@@ -26,6 +26,7 @@ from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.target import config_hash, load_target_config, parse_layer_ids, text_config
 from dflash_pipeline.extract.worker import RankSummary, run_rank
 from dflash_pipeline.shared import manifest as mf
+from dflash_pipeline.shared.device import gpus_on_cpu
 from dflash_pipeline.shared.drafter import default_target_layer_ids
 from dflash_pipeline.shared.generation.decoder import check_supported_config
 from dflash_pipeline.shared.launch import RankFailed, UserError, spawn_ranks
@@ -82,9 +83,8 @@ class RunSummary:
 
 def resolve_devices(cfg: ExtractConfig) -> ExtractConfig:
     """Default GPUs: the first five visible (or all, if fewer); CPU when there is no CUDA."""
-    if cfg.gpus and (cfg.device == "cpu" or not torch.cuda.is_available()):
-        why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
-        raise ExtractError(f"--gpus {','.join(map(str, cfg.gpus))}: this run is on the CPU ({why})")
+    if refusal := gpus_on_cpu(cfg.gpus, cfg.device):
+        raise ExtractError(refusal)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return replace(cfg, device="cpu")
     if cfg.device == "cuda" and not cfg.gpus:

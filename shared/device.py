@@ -28,3 +28,13 @@ def resolve_device(cli: str, device: str) -> str:
     if os.environ.get("RANK", "0") == "0":
         click.echo(f"{cli}: running on {device}" + ("" if has_cuda else " (no CUDA device)"), err=True)
     return device
+
+
+def gpus_on_cpu(gpus: tuple[int, ...], device: str) -> str | None:
+    """Why `--gpus` cannot apply when the run is on the CPU (explicitly, or for want of CUDA); None if it can."""
+    import torch
+
+    if not gpus or (device != "cpu" and torch.cuda.is_available()):
+        return None
+    why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
+    return f"--gpus {','.join(map(str, gpus))}: this run is on the CPU ({why})"

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import torch
 
+from dflash_pipeline.shared.device import gpus_on_cpu
 from dflash_pipeline.shared.launch import RankFailed, free_port, spawn_ranks
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.loop import RankResult, TrainingError, rank_entry
@@ -14,9 +15,8 @@ from dflash_pipeline.train.loop import RankResult, TrainingError, rank_entry
 
 def resolve_devices(cfg: TrainConfig) -> TrainConfig:
     """Default GPUs: three if available (else all visible); CPU when there is no CUDA."""
-    if cfg.gpus and (cfg.device == "cpu" or not torch.cuda.is_available()):
-        why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
-        raise TrainingError(f"--gpus {','.join(map(str, cfg.gpus))}: this run is on the CPU ({why})")
+    if refusal := gpus_on_cpu(cfg.gpus, cfg.device):
+        raise TrainingError(refusal)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return replace(cfg, device="cpu")
     if cfg.device == "cuda" and not cfg.gpus:

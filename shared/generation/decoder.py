@@ -30,7 +30,8 @@ class GenerationError(UserError, ValueError):
     """The target or a request cannot be run by the generation engine; the message says why."""
 
 
-def _text_config(model: nn.Module) -> Any:
+def text_config_of(model: nn.Module) -> Any:
+    """The decoder config of a (possibly multimodal) HF model."""
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -56,7 +57,7 @@ def check_supported_config(config: Any, max_context: int) -> None:
 
 def check_supported(model: nn.Module, max_context: int) -> None:
     """`check_supported_config`, and a rotary embedding whose cos/sin do not depend on the length."""
-    check_supported_config(_text_config(model), max_context)
+    check_supported_config(text_config_of(model), max_context)
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
     if any(name in rope for name in _POSITION_DEPENDENT_ROPE):
         raise GenerationError(f"rope type {rope!r} changes with the sequence length, which the "
@@ -80,13 +81,9 @@ class PagedKVCache:
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         return cls(keys, values, page_size)
 
-    @property
-    def num_pages(self) -> int:
-        return self.keys[0].shape[0]
-
     @staticmethod
     def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -121,19 +118,18 @@ def layer_output(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor)
 
 
 class PagedDecoder:
-    """Prefill and decode of an HF Llama-style causal LM whose keys and values live in a PagedKVCache."""
+    """Prefill and decode of an HF Llama-style causal LM whose keys and values live in a PagedKVCache
+    (the model passed `check_supported`)."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache, max_context: int, compile: bool = False):
-        check_supported(model, max_context)
+    def __init__(self, model: nn.Module, cache: PagedKVCache, compile: bool = False):
         base = model.model
         self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
         self.lm_head = model.lm_head
         attn = self.layers[0].self_attn
-        config = _text_config(model)
+        config = text_config_of(model)
         self.head_dim = attn.head_dim
-        self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.groups = self.heads // self.kv_heads
+        self.groups = config.num_attention_heads // self.kv_heads
         self.scaling = attn.scaling
         self.cache = cache
         # Compiled, the norms, rotary, SiLU gating and residual adds fuse into few kernels instead of

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from dflash_pipeline.shared.generation.decoder import GenerationError, PagedDecoder, PagedKVCache, check_supported, pages_for
+from dflash_pipeline.shared.generation.decoder import (
+    GenerationError,
+    PagedDecoder,
+    PagedKVCache,
+    check_supported,
+    pages_for,
+    text_config_of,
+)
 from dflash_pipeline.shared.generation.sampling import SamplingParams, choose_tokens
 
 WORKSPACE_MARGIN_BYTES = 2 << 30  # beside the estimate: CUDA graphs' pool, library workspaces
@@ -87,7 +94,7 @@ class GenerationEngine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         param = next(model.parameters())
         self.device, dtype = param.device, param.dtype
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config_of(model)
         attn = model.model.layers[0].self_attn
         layers, kv_heads, head_dim = len(model.model.layers), config.num_key_value_heads, attn.head_dim
         self.pages_per_request = pages_for(settings.max_request_tokens, settings.page_size)
@@ -98,8 +105,7 @@ class GenerationEngine:
                                   "--max-new-tokens, or free device memory")
         cache = PagedKVCache.allocate(layers, pages, settings.page_size, kv_heads, head_dim, dtype, self.device)
         compiled = settings.compile if settings.compile is not None else self.device.type == "cuda"
-        self.decoder = PagedDecoder(model, cache, settings.max_request_tokens, compile=compiled)
-        self.kv_bytes_per_token = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, dtype)
+        self.decoder = PagedDecoder(model, cache, compile=compiled)
         self._free_pages = list(range(pages - 1, 0, -1))  # page 0 is scratch
         slots = settings.max_batch
         self._free_slots = list(range(slots - 1, -1, -1))
@@ -129,8 +135,7 @@ class GenerationEngine:
         """Device memory to leave beside the cache: twice the estimated peak of one prefill (hidden-
         size and MLP-size activations of `prefill_tokens`) plus the decode logits and sampling buffers,
         so the allocator never has to free and retry mid-prefill, which slows prefill severalfold."""
-        element = torch.empty((), dtype=dtype).element_size()
-        prefill = self.settings.prefill_tokens * (10 * config.hidden_size + 6 * config.intermediate_size) * element
+        prefill = self.settings.prefill_tokens * (10 * config.hidden_size + 6 * config.intermediate_size) * dtype.itemsize
         logits = self.settings.max_batch * config.vocab_size * 16  # float32 logits, sorted copy, cumsum
         return 2 * (prefill + logits) + WORKSPACE_MARGIN_BYTES
 
@@ -166,17 +171,14 @@ class GenerationEngine:
         """Requests queued or running."""
         return len(self._queue) + len(self._running)
 
-    def generate(self, requests: Sequence[Request], on_step: Callable[[int], None] | None = None) -> list[Reply]:
-        """Replies to `requests`, in order. `on_step(tokens generated in the step)` after each step."""
+    def generate(self, requests: Sequence[Request]) -> list[Reply]:
+        """Replies to `requests`, in order."""
         for i, request in enumerate(requests):
             self.add(i, request)
         replies: list[Reply | None] = [None] * len(requests)
         while self.pending:
-            before = self.stats["generated_tokens"]
             for i, reply in self.step():
                 replies[i] = reply
-            if on_step is not None:
-                on_step(self.stats["generated_tokens"] - before)
         return replies  # type: ignore[return-value]
 
     @torch.inference_mode()
