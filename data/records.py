@@ -96,7 +96,7 @@ def data_files(path: str | Path) -> list[Path]:
                             "no_data_files")
         return files
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
+        raise DataError(f"{path}: no such file or directory", "missing_file")
     if path.suffix not in READERS:
         raise DataError(f"{path}: unsupported file type {path.suffix!r} (use {', '.join(READERS)})",
                         "unsupported_file")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .chat import render_with_reply_spans
-from .errors import DataError
+from .errors import DataError, TokenizerError
 from .records import ReadStats, Record
 
 __all__ = ["TokenizedSample", "tokenize_record", "tokenize_records"]
@@ -43,7 +43,8 @@ def tokenize_record(record: Record, tokenizer: Any, max_length: int | None, *,
         raise TypeError("a fast (tokenizers-backed) tokenizer is needed for offset mapping")
     if record.messages is not None:
         if not tokenizer.chat_template:
-            raise ValueError("the tokenizer has no chat template; conversations cannot be rendered")
+            raise TokenizerError(f"{record.source}: a conversation, but the target's tokenizer has no chat template "
+                                 "(add chat_template.jinja or tokenizer_config.json's chat_template to the target folder)")
         text, spans = render_with_reply_spans(tokenizer, record.messages, record.source,
                                              template_kwargs=chat_template_kwargs)
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -48,10 +48,12 @@ def main(out: str, steps: int) -> None:
         sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(sample_corpus_path()), "--out", str(store),
         "--device", "cpu", "--workers", "2", "--max-length", "512", "--batch-tokens", "4096",
     ])
+    # --epochs as large as --steps: every epoch holds at least one step (dflash-train refuses a store
+    # that does not fill one), so the epoch limit can never end the run before the steps asked for
     run_step("train", [
         sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(store), "--out", str(run), "--device", "cpu", "--workers", "2",
         "--num-layers", "2", "--block-size", "8", "--pack-tokens", "512", "--num-blocks", "32",
-        "--max-steps", str(steps), "--lr", "2e-3", "--eval-every", "40", "--checkpoint-every", "60",
+        "--max-steps", str(steps), "--epochs", str(steps), "--lr", "2e-3", "--eval-every", "40", "--checkpoint-every", "60",
         "--eval-samples", "24", "--loader-workers", "1", "--resume",
     ])
     evaluation = root / "eval.json"

@@ -9,24 +9,38 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from dflash_pipeline.extract.target import gguf_file_of, text_config
+from dflash_pipeline.extract.target import TargetError, gguf_file_of, text_config
 from dflash_pipeline.shared.drafter import TargetHead
 from dflash_pipeline.shared.durable import replace_dir_durably
+from dflash_pipeline.shared.errors import first_line
 
 TARGET_DIR = "target"
 HEAD_FILE = "target_head.safetensors"
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_tokenizer(target: str | Path) -> PreTrainedTokenizerBase:
+    """The target's fast tokenizer; a folder without tokenizer files is refused (transformers would
+    otherwise build an empty tokenizer from the config alone)."""
     gguf = gguf_file_of(target)
-    tok = AutoTokenizer.from_pretrained(str(target), gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(str(target))
+    if not gguf and Path(target).is_dir() and not any((Path(target) / f).exists() for f in TOKENIZER_FILES):
+        raise TargetError(f"{target}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                          "copy them from the model's repository into this folder")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target), gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(str(target))
+    except (OSError, ValueError) as exc:
+        raise TargetError(f"{target}: cannot load the tokenizer ({first_line(exc)})") from exc
     if not getattr(tok, "is_fast", False):
-        raise ValueError(f"{target}: a fast tokenizer is required (loss masks use offset mappings)")
+        raise TargetError(f"{target}: a fast tokenizer is required (loss masks use offset mappings)")
     return tok
 
 
@@ -45,22 +59,29 @@ def export_target_assets(
     tmp = root / f"{TARGET_DIR}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    save_target_head(model, target_config, tmp / HEAD_FILE)
+    target_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    replace_dir_durably(tmp, final)
+    return final
+
+
+def save_target_head(model: nn.Module, target_config: PretrainedConfig, file: Path,
+                     dtype: torch.dtype | None = None) -> Path:
+    """The target's embedding, LM head and final norm as `TargetHead` stores them (in `dtype` if given)."""
     config = text_config(target_config)
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     lm_head = None if head is None or head.weight is embed else head.weight
     norm = model.model.norm
-    TargetHead.save(
-        tmp / HEAD_FILE,
-        embed_tokens=embed,
-        lm_head=lm_head,
-        norm=norm.weight,
+    cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+    return TargetHead.save(
+        file,
+        embed_tokens=cast(embed),
+        lm_head=None if lm_head is None else cast(lm_head),
+        norm=cast(norm.weight),
         norm_eps=float(getattr(norm, "variance_epsilon", getattr(config, "rms_norm_eps", 1e-6))),
     )
-    target_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp / "tokenizer")
-    replace_dir_durably(tmp, final)
-    return final
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
@@ -74,3 +95,10 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
 def weights_fingerprint(root: Path) -> str:
     """Identity of the target's weights as far as the drafter sees them (its frozen head)."""
     return file_sha256(root / TARGET_DIR / HEAD_FILE)
+
+
+def model_weights_fingerprint(model: nn.Module, target_config: PretrainedConfig, dtype: torch.dtype) -> str:
+    """`weights_fingerprint` of a loaded target: the same bytes a store made from it holds, in the
+    store's head dtype (a cast to a wider dtype and back is exact, so any load dtype works)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return file_sha256(save_target_head(model, target_config, Path(tmp) / HEAD_FILE, dtype))

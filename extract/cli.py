@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
 from dflash_pipeline.shared.config import config_option
 from dflash_pipeline.shared.device import device_option, resolve_device
+from dflash_pipeline.shared.errors import cli_errors
 
 
 def _int_list(value: str | None) -> tuple[int, ...]:
@@ -57,6 +57,9 @@ class JsonObject(click.ParamType):
 @click.option("--gpus", default=None, help="GPU ids, one process each [default: 5 if available, else all].")
 @device_option()
 @click.option("--workers", default=1, type=click.IntRange(1), help="Processes with --device cpu.")
+@click.option("--collective-timeout", default=300.0, type=click.FloatRange(1),
+              help="torchrun: seconds a rank may go without answering (frozen or cut-off node) before the others "
+                   "stop naming it; slow work is waited for while its rank answers.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).")
 @click.option("--store-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16")
@@ -78,16 +81,12 @@ class JsonObject(click.ParamType):
               help="--regenerate: replies per conversation, each stored as its own sample (needs --temperature > 0).")
 @click.option("--gen-batch-size", default=None, type=click.IntRange(1),
               help="--regenerate: requests decoded together (continuous batching) [default: 512 on GPU, 16 on CPU].")
+@cli_errors("dflash-extract")
 def main(**opts) -> None:
     """Run the frozen target over the data and store the drafter's training features."""
-    from dflash_pipeline.data import DataError
     from dflash_pipeline.extract.config import ExtractConfig
-    from dflash_pipeline.extract.run import run_extraction
-    from dflash_pipeline.extract.target import TargetError
-    from dflash_pipeline.shared.launch import UserError
-    from dflash_pipeline.shared.manifest import StoreIncomplete, StoreMismatch
-
     from dflash_pipeline.extract.regenerate import RegenerateSettings
+    from dflash_pipeline.extract.run import run_extraction
 
     try:
         generation = RegenerateSettings(
@@ -101,11 +100,7 @@ def main(**opts) -> None:
     opts["data"] = tuple(opts["data"])
     opts["device"] = resolve_device("dflash-extract", opts["device"])
     cfg = ExtractConfig(gpus=gpus, **opts)
-    try:
-        summary = run_extraction(cfg)
-    except (DataError, TargetError, UserError, StoreMismatch, StoreIncomplete) as exc:
-        click.echo(f"dflash-extract: error: {exc}", err=True)
-        sys.exit(1)
+    summary = run_extraction(cfg)
     if summary is not None:
         click.echo("\n".join(["", "dflash-extract summary", *summary.lines()]))
 

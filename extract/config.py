@@ -16,7 +16,7 @@ class ExtractConfig:
     max_batch_size: int = 64
     skip_bad: bool = False
     limit: int | None = None  # use only the first N records (smoke runs)
-    device: str = "cuda"  # "cuda" or "cpu"
+    device: str = "auto"  # "auto" (CUDA if there is one), "cuda" or "cpu"
     gpus: tuple[int, ...] = ()  # physical GPU ids, one process each
     workers: int = 1  # processes on CPU
     dtype: str = "auto"  # compute dtype: auto = bf16 on GPU, fp32 on CPU
@@ -30,6 +30,7 @@ class ExtractConfig:
     regenerate: dict | None = field(default=None)  # RegenerateSettings.to_dict() of --regenerate
     gen_batch_size: int | None = None  # --regenerate: requests decoded together; None: 512 on GPU, 16 on CPU
     chat_template_kwargs: dict | None = None  # options of the chat template, e.g. {"enable_thinking": False}
+    collective_timeout: float = 300.0  # torchrun: seconds a rank may go silent before the others stop
 
     @property
     def compiled(self) -> bool:

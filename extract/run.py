@@ -13,7 +13,6 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,12 +25,16 @@ from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.target import config_hash, load_target_config, parse_layer_ids, text_config
 from dflash_pipeline.extract.worker import RankSummary, run_rank
 from dflash_pipeline.shared import manifest as mf
-from dflash_pipeline.shared.device import gpus_on_cpu
+from dflash_pipeline.shared.cluster import Cluster, group_timeout, torchrun_refusal
+from dflash_pipeline.shared.device import gpus_on_cpu, pick_device
 from dflash_pipeline.shared.drafter import default_target_layer_ids
 from dflash_pipeline.shared.generation.decoder import check_supported_config
-from dflash_pipeline.shared.launch import RankFailed, UserError, spawn_ranks
+from dflash_pipeline.shared.errors import UserError
+from dflash_pipeline.shared.launch import RankFailed, spawn_ranks
+from dflash_pipeline.shared.progress import progress_note
+from dflash_pipeline.shared.store import any_rank_committed
 
-BARRIER_TIMEOUT = timedelta(days=7)  # ranks finish at different times; never time out a long run
+RESUME_HINT = "rerun the same command to resume from the last committed batch"
 
 
 class ExtractError(UserError, RuntimeError):
@@ -82,11 +85,10 @@ class RunSummary:
 
 
 def resolve_devices(cfg: ExtractConfig) -> ExtractConfig:
-    """Default GPUs: the first five visible (or all, if fewer); CPU when there is no CUDA."""
+    """Default GPUs: the first five visible (or all, if fewer); `auto` is CUDA when there is one."""
     if refusal := gpus_on_cpu(cfg.gpus, cfg.device):
         raise ExtractError(refusal)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        return replace(cfg, device="cpu")
+    cfg = replace(cfg, device=pick_device(cfg.device))
     if cfg.device == "cuda" and not cfg.gpus:
         return replace(cfg, gpus=tuple(range(min(5, torch.cuda.device_count()))))
     if cfg.device == "cuda":
@@ -140,6 +142,23 @@ def require_samples(cfg: ExtractConfig, summaries: list[RankSummary], remove: bo
     raise no_records_error(cfg, counts["skipped"])
 
 
+def target_location(target: str | Path) -> str:
+    """The target's resolved path, so `--target` spelled relative, with `./` or through a symlink is
+    the same target; a name that is no local path (a hub id) stays as given."""
+    path = Path(target)
+    return str(path.resolve()) if path.exists() else str(target)
+
+
+def holds_nothing(root: Path, existing: mf.Manifest) -> bool:
+    """True when an earlier run into `root` left nothing worth keeping: not complete, no batch
+    committed by any rank, no reply regenerated (e.g. it stopped at a malformed record before its
+    first batch). Such a store is no conflict: a run with other settings may start it over."""
+    from dflash_pipeline.extract.regenerate import REGENERATED_DIR  # here: it loads the generation engine
+
+    replies = [f for f in (root / REGENERATED_DIR).glob("*") if f.is_file() and f.stat().st_size]
+    return not existing.complete and not replies and not any_rank_committed(root)
+
+
 def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]:
     """Create or validate `ROOT/manifest.json`; returns (layer ids, store already complete)."""
     require_records(cfg)
@@ -153,6 +172,7 @@ def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]
     fresh = mf.new_manifest(
         target={
             "name_or_path": str(cfg.target),
+            "location": target_location(cfg.target),
             "architecture": (target_config.architectures or [type(target_config).__name__])[0],
             "config_hash": config_hash(target_config),
             "num_layers": tc.num_hidden_layers,
@@ -174,13 +194,18 @@ def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]
         shutil.rmtree(root)
     if (root / mf.MANIFEST_FILE).exists():
         existing = mf.load_manifest(root)
+        # Stores from before `target.location` was recorded: derive it from the path they were given.
+        existing.target.setdefault("location", target_location(existing.target["name_or_path"]))
         differences = mf.resume_differences(existing, fresh)
-        if differences:
+        if not differences:
+            return layer_ids, existing.complete
+        if not holds_nothing(root, existing):
             raise ExtractError(
                 f"{root}: holds a store made with other settings ({'; '.join(differences)}); "
                 "use another --out, or --overwrite to replace it"
             )
-        return layer_ids, existing.complete
+        progress_note(f"dflash-extract: {root}: the earlier run committed nothing; starting over with these settings")
+        shutil.rmtree(root)
     if root.exists() and any(root.iterdir()):
         raise ExtractError(f"{root}: exists, is not empty and holds no dflash-pipeline store; choose an empty --out")
     root.mkdir(parents=True, exist_ok=True)
@@ -232,10 +257,13 @@ def _spawned_rank(rank: int, cfg: ExtractConfig, layer_ids: list[int]) -> RankSu
 
 
 def run_spawned(cfg: ExtractConfig, layer_ids: list[int]) -> list[RankSummary]:
+    """The ranks as spawned processes; their start (imports, the target's config) takes seconds
+    before rank 0 shows anything, so say that they are starting."""
+    progress_note(f"dflash-extract: starting {cfg.world_size} worker processes on {cfg.device}")
     try:
         return spawn_ranks(_spawned_rank, cfg.world_size, (cfg, layer_ids))
     except RankFailed as exc:
-        raise ExtractError(f"{exc}; rerun the same command to resume from the last committed batch") from exc
+        raise ExtractError(f"{exc}; {RESUME_HINT}") from exc
 
 
 def under_torchrun() -> bool:
@@ -243,32 +271,41 @@ def under_torchrun() -> bool:
 
 
 def run_torchrun(cfg: ExtractConfig) -> RunSummary | None:
-    """Body of every torchrun process; rank 0 returns the summary."""
-    dist.init_process_group("gloo", timeout=BARRIER_TIMEOUT)
+    """Body of every torchrun process; rank 0 returns the summary. Where ranks arrive at different
+    times (rank 0 prepares the store; ranks finish their shares at different times) they `meet`,
+    which waits as long as the work takes but names a rank that stops answering (`Cluster`)."""
+    if refusal := torchrun_refusal(cfg.gpus, cfg.workers):
+        raise ExtractError(refusal)
+    cfg = replace(cfg, device=pick_device(cfg.device))  # before the manifest records the compute dtype
+    dist.init_process_group("gloo", timeout=group_timeout(cfg.collective_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     started = time.perf_counter()
     try:
-        cfg = replace(cfg, gpus=tuple(range(world)) if cfg.device == "cuda" else (), workers=world)
-        status = [None]
-        if rank == 0:
-            try:
-                status = [prepare_store(cfg, world)]
-            except Exception as exc:  # noqa: BLE001 - other ranks must learn of it, not hang
-                status = [("error", str(exc))]
-        dist.broadcast_object_list(status, src=0)
-        if status[0][0] == "error":
-            raise ExtractError(status[0][1])
-        layer_ids, complete = status[0]
-        summary = None if complete else run_rank(cfg, rank, world, rank_device(cfg, rank, local_rank), layer_ids)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, summary)
-        if not complete:
-            require_samples(cfg, gathered, remove=rank == 0)
-        if rank == 0 and not complete:
-            seal_store(cfg, gathered)
-        dist.barrier()
-        return summarize(cfg, gathered, started, complete) if rank == 0 else None
+        with Cluster("dflash-extract", cfg.collective_timeout, RESUME_HINT) as cluster:
+            cluster.require_shared(Path(cfg.out), "--out")
+            cfg = replace(cfg, gpus=tuple(range(world)) if cfg.device == "cuda" else (), workers=world)
+            status = [None]
+            if rank == 0:
+                try:
+                    status = [prepare_store(cfg, world)]
+                except Exception as exc:  # noqa: BLE001 - other ranks must learn of it, not hang
+                    status = [("error", str(exc))]
+            cluster.meet("prepared")
+            dist.broadcast_object_list(status, src=0)
+            if status[0][0] == "error":
+                raise ExtractError(status[0][1])
+            layer_ids, complete = status[0]
+            summary = None if complete else run_rank(cfg, rank, world, rank_device(cfg, rank, local_rank), layer_ids)
+            cluster.meet("extracted")
+            gathered = [None] * world
+            dist.all_gather_object(gathered, summary)
+            if not complete:
+                require_samples(cfg, gathered, remove=rank == 0)
+            if rank == 0 and not complete:
+                seal_store(cfg, gathered)
+            cluster.meet("sealed")
+            return summarize(cfg, gathered, started, complete) if rank == 0 else None
     finally:
         dist.destroy_process_group()
 

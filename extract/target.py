@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from dflash_pipeline.shared.errors import UserError
+
 # Config keys that describe how a checkpoint was saved or run, not what the network computes.
 _VOLATILE_CONFIG_KEYS = {
     "_name_or_path",
@@ -33,7 +35,7 @@ _VOLATILE_CONFIG_KEYS = {
 }
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """The target cannot be used as asked (bad layer ids, unsupported architecture, ...)."""
 
 

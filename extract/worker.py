@@ -22,7 +22,7 @@ from dflash_pipeline.data.records import ReadStats, iter_records
 from dflash_pipeline.data.tokenize import TokenizedSample, tokenize_record
 from dflash_pipeline.extract.background_writer import BackgroundWriter
 from dflash_pipeline.extract.config import ExtractConfig
-from dflash_pipeline.extract.plan import BatchPlan, owns, padded_fraction, plan_batches
+from dflash_pipeline.extract.plan import owns, padded_fraction, plan_batches
 from dflash_pipeline.extract.target import (
     HiddenStateCapture,
     compile_decoder_layers,
@@ -31,7 +31,7 @@ from dflash_pipeline.extract.target import (
     load_truncated_target,
 )
 from dflash_pipeline.shared.durable import write_bytes_durably
-from dflash_pipeline.shared.progress import progress_bar
+from dflash_pipeline.shared.progress import progress_bar, progress_note
 from dflash_pipeline.shared.store import StoreWriter
 
 
@@ -65,21 +65,25 @@ def compute_dtype(cfg: ExtractConfig, device: torch.device) -> torch.dtype:
 def load_owned_samples(
     cfg: ExtractConfig, tokenizer, rank: int, world_size: int, device: torch.device
 ) -> tuple[list[TokenizedSample], RankSummary, ReadStats]:
-    """Read every input record, regenerate replies if asked, tokenize the records this rank owns."""
+    """Read every input record, regenerate replies if asked, tokenize the records this rank owns.
+    Rank 0 shows reading and tokenizing as bars: on large data they take minutes before any batch."""
     summary = RankSummary(rank=rank)
     stats = ReadStats()
     records = []
     index = 0
-    for path in cfg.data:
-        for record in iter_records(path, skip_bad=cfg.skip_bad, stats=stats):
-            if cfg.limit is not None and index >= cfg.limit:
-                break
-            if owns(index, rank, world_size):
-                records.append((index, record))
-            index += 1
+    with progress_bar(desc=f"read rank {rank}", unit=" records", disable=rank != 0) as bar:
+        for path in cfg.data:
+            for record in iter_records(path, skip_bad=cfg.skip_bad, stats=stats):
+                if cfg.limit is not None and index >= cfg.limit:
+                    break
+                if owns(index, rank, world_size):
+                    records.append((index, record))
+                index += 1
+                bar.update()
     if cfg.regenerate is not None:
         records = regenerate_owned(cfg, records, tokenizer, rank, device, summary)
-    samples = [s for index, record in records if (s := tokenize_one(record, tokenizer, cfg, index, summary)) is not None]
+    owned = progress_bar(iterable=records, desc=f"tokenize rank {rank}", unit=" records", disable=rank != 0)
+    samples = [s for index, record in owned if (s := tokenize_one(record, tokenizer, cfg, index, summary)) is not None]
     return samples, summary, stats
 
 
@@ -237,6 +241,8 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
     summary.resumed_batches = done
     todo = plan.batches[done:]
     if todo or needs_export:
+        if rank == 0:
+            progress_note(f"extract rank 0: loading the target's layers 0..{max(layer_ids)} on {device}")
         model = load_truncated_target(cfg.target, layer_ids, device=device, dtype=compute_dtype(cfg, device))
         if needs_export:
             export_target_assets(model, tokenizer, target_config, root)

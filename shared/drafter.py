@@ -34,14 +34,22 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from dflash_pipeline.shared import attention as attn
 from dflash_pipeline.shared.blocks import compute_logits
+from dflash_pipeline.shared.errors import UserError, first_line
 
 __all__ = [
-    "DFlashConfig", "DFlashDrafter", "DrafterCache", "TargetHead", "compute_logits", "default_target_layer_ids",
+    "DFlashConfig", "DFlashDrafter", "DrafterCache", "DrafterError", "TargetHead", "compute_logits",
+    "default_target_layer_ids",
 ]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HEAD_FILE = "target_head.safetensors"
+
+
+class DrafterError(UserError, ValueError):
+    """A drafter folder that is missing, incomplete or not a DFlash drafter."""
+
+
 BACKENDS = ("flex_compiled", "flex_eager", "sdpa_dense")
 
 
@@ -524,21 +532,33 @@ class DFlashDrafter(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> "DFlashDrafter":
         directory = Path(directory)
-        config_path = directory / CONFIG_FILE
+        config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+        if not directory.is_dir():
+            raise DrafterError(f"{directory}: no such drafter folder (dflash-train writes OUT/drafter)")
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise DrafterError(f"{path}: missing; a drafter folder holds {CONFIG_FILE} and {WEIGHTS_FILE}")
         try:
             raw = json.loads(config_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{config_path}: cannot read drafter config ({exc})") from exc
-        arch = raw.get("architectures") or ["DFlashDraftModel"]
+            arch = raw.get("architectures") or ["DFlashDraftModel"]
+            config = DFlashConfig.from_hf_dict(raw)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise DrafterError(f"{config_path}: not a DFlash drafter config ({first_line(exc)})") from exc
         if arch != ["DFlashDraftModel"]:
-            raise ValueError(f"{config_path}: architectures {arch} is not a plain DFlashDraftModel")
-        model = cls(DFlashConfig.from_hf_dict(raw), attention_backend=attention_backend)
-        weights_path = directory / WEIGHTS_FILE
-        state = load_file(str(weights_path))
+            raise DrafterError(f"{config_path}: architectures {arch} is not a plain DFlashDraftModel")
+        model = cls(config, attention_backend=attention_backend)
+        try:
+            state = load_file(str(weights_path))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad files
+            raise DrafterError(f"{weights_path}: unreadable ({first_line(exc)})") from exc
         expected = set(model.state_dict())
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unexpected:
-            raise ValueError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+            raise DrafterError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        wrong = [k for k, v in model.state_dict().items() if v.shape != state[k].shape]
+        if wrong:
+            raise DrafterError(f"{weights_path}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                               f"{config_path.name} implies {tuple(model.state_dict()[wrong[0]].shape)}")
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype)
 

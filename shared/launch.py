@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from dflash_pipeline.shared.errors import UserError, debugging, first_line
+from dflash_pipeline.shared.progress import close_progress_bars
+
 
 class RankFailed(RuntimeError):
     """A worker process failed; the message is one line meant for the user."""
-
-
-class UserError(Exception):
-    """Mixin for errors whose message is complete for the user (no traceback printed)."""
 
 
 def free_port() -> int:
@@ -31,16 +30,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _child(rank: int, fn: Callable[..., Any], args: tuple, results) -> None:
     try:
         results.put((rank, "ok", fn(rank, *args)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
-        if not isinstance(exc, (UserError, ValueError)):
+        close_progress_bars()
+        if debugging() or not isinstance(exc, UserError):
             traceback.print_exc()
         results.put((rank, "error", first_line(exc)))
         raise SystemExit(1)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_pipeline.shared.errors import UserError
+
 from .durable import write_bytes_durably
 
 FORMAT_VERSION = 1
@@ -32,7 +34,7 @@ TARGET_DIR = "target"
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 
 
-class StoreError(Exception):
+class StoreError(UserError):
     """Base of the errors a feature store raises; messages are one line naming the store."""
 
 
@@ -165,6 +167,10 @@ def new_manifest(
 # Filled in at completion, so they may differ between a running store and a rerun's fresh manifest.
 _SET_AT_COMPLETION = {"complete", "created", "finished", "shards", "compression", "chunk_tokens", "shard_tokens",
                       "storage_dtype", "target.weights_fingerprint", "data.counts"}
+# Paths as the user typed them, kept for people: the same files spelled another way (relative, `./`,
+# through a symlink) must resume, so what they name is compared through `data.fingerprint` (content)
+# and `target.location` (the resolved target) instead.
+_AS_TYPED = {"data.paths", "target.name_or_path"}
 
 
 def resume_differences(existing: Manifest, fresh: Manifest) -> list[str]:
@@ -178,7 +184,7 @@ def resume_differences(existing: Manifest, fresh: Manifest) -> list[str]:
                 out.update({f"{key}.{k}": v for k, v in value.items()})
             else:
                 out[key] = value
-        return {k: v for k, v in out.items() if k not in _SET_AT_COMPLETION}
+        return {k: v for k, v in out.items() if k not in _SET_AT_COMPLETION | _AS_TYPED}
 
     old, new = flat(existing), flat(fresh)
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]

@@ -17,3 +17,16 @@ def progress_bar(**kwargs: Any) -> tqdm:
     if not sys.stderr.isatty():
         kwargs = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S, **kwargs}
     return tqdm(dynamic_ncols=True, **kwargs)
+
+
+def progress_note(message: str) -> None:
+    """One line on stderr for a step no bar measures (starting processes, loading a model), so a
+    long silence is explained; written through tqdm so that it does not break a bar in a terminal."""
+    tqdm.write(message, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def close_progress_bars() -> None:
+    """End every open bar's line, so that an error printed next starts a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()

@@ -28,12 +28,14 @@ import google_crc32c
 import numcodecs
 import numpy as np
 
+from dflash_pipeline.shared.errors import UserError
+
 EMPTY = np.uint64(2**64 - 1)  # index entry of a chunk that is not stored (all fill value)
 _SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # pieces per readv/writev call
 
 
-class ShardFormatError(ValueError):
+class ShardFormatError(UserError, ValueError):
     """The array's zarr.json describes a layout this module does not handle (or the bytes are bad)."""
 
 

@@ -23,7 +23,8 @@ Public API:
   opens or creates the rank's group; `resume() -> int` (committed batches), `committed`,
   `append_batch(batch)`, `flush_shards()`, `finalize() -> ShardEntry`.
 - `finished_shards(root, world_size) -> (entries, layout)` from the progress records
-  (`manifest.mark_complete` uses it).
+  (`manifest.mark_complete` uses it); `any_rank_committed(root)` (may a rerun with other settings
+  start over?).
 - `FeatureStore(root, *, require_complete=True)`: `len`, `lengths`, `num_tokens`, `store[i] -> Sample`,
   `read_tokens(shard, start, stop)`, `read_raw`, `read_ids_and_mask`, `sample_span(i)`, `layer_ids`,
   `hidden_size`, `hidden_width`, `hidden_dtype`, `manifest`, `root`.
@@ -550,6 +551,19 @@ def finished_shards(root: str | Path, world_size: int) -> tuple[list[ShardEntry]
     if any(layout != layouts[0] for layout in layouts):
         raise StoreMismatch(f"{root}: ranks were written with different layouts ({layouts})")
     return entries, layouts[0] if layouts else {"compression": None, "chunk_tokens": None, "shard_tokens": None}
+
+
+def any_rank_committed(root: str | Path) -> bool:
+    """Whether some rank's progress record holds a committed batch or sample (an unreadable record
+    counts as one: it may): a store for which this is False holds nothing worth keeping."""
+    for path in sorted((Path(root) / SHARDS_DIR).glob("rank-*.progress.json")):
+        try:
+            record = _read_progress(path)
+        except StoreError:
+            return True
+        if record.get("batches") or record.get("samples"):
+            return True
+    return False
 
 
 class FeatureStore:

@@ -42,3 +42,11 @@ def sample_corpus() -> Path:
     from dflash_pipeline.data import sample_corpus_path
 
     return sample_corpus_path()
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory, sample_corpus: Path) -> Path:
+    """The first 40 conversations of the sample corpus as a JSONL file: a store of it extracts in seconds."""
+    path = tmp_path_factory.mktemp("small_corpus") / "corpus.jsonl"
+    path.write_text("\n".join(sample_corpus.read_text().splitlines()[:40]) + "\n")
+    return path

@@ -133,13 +133,14 @@ def test_extraction_stores_the_kwargs_tokenization_and_refuses_other_kwargs(qwen
             run_extraction(config(qwen3_like_dir, data, out, other))
 
 
-def test_unfinished_store_resumes_with_the_same_kwargs_only(qwen3_like_dir, tmp_path):
+def test_unfinished_store_resumes_with_the_same_kwargs_and_starts_over_with_others_while_empty(qwen3_like_dir, tmp_path):
+    """Other kwargs on a store with committed samples are refused (above, on a complete store)."""
     data, out = small_corpus(tmp_path, 2), tmp_path / "store"
     assert prepare_store(config(qwen3_like_dir, data, out, NO_THINKING), 1)[1] is False  # new, incomplete
     assert prepare_store(config(qwen3_like_dir, data, out, NO_THINKING), 1)[1] is False  # resumable
     assert load_manifest(out).data["chat_template_kwargs"] == NO_THINKING
-    with pytest.raises(ExtractError, match="other settings.*chat_template_kwargs"):
-        prepare_store(config(qwen3_like_dir, data, out, {"enable_thinking": True}), 1)
+    assert prepare_store(config(qwen3_like_dir, data, out, {"enable_thinking": True}), 1)[1] is False  # nothing committed
+    assert load_manifest(out).data["chat_template_kwargs"] == {"enable_thinking": True}
 
 
 def invoke_extract(monkeypatch, args: list[str]):

@@ -80,6 +80,38 @@ def test_report_accepts_dash_h():
     assert result.exit_code == 0 and "--run" in result.output
 
 
+LOSS_ROWS = "".join(json.dumps({"step": s, "loss": 5.0 / s}) + "\n" for s in range(1, 4))
+
+
+@pytest.mark.parametrize("text, line, what", [
+    (LOSS_ROWS.replace("\n", "\ngarbage\n", 1), 2, "not a JSON record"),  # a bad line before good ones
+    (LOSS_ROWS + "{\"step\": 4, \"lo\n", 4, "not a JSON record"),  # cut short yet followed by a newline
+    (LOSS_ROWS + "[1, 2]\n", 4, "not a JSON object but list"),
+], ids=["bad-middle-line", "bad-last-line-with-newline", "not-an-object"])
+def test_report_of_a_malformed_metrics_line_is_one_line_naming_it(tmp_path, text, line, what):
+    from dflash_pipeline.train.report import main
+
+    (tmp_path / "metrics.jsonl").write_text(text)
+    result = CliRunner().invoke(main, ["--run", str(tmp_path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output  # no traceback
+    assert result.output.strip().splitlines() == [
+        next(l for l in result.output.splitlines() if l.startswith("dflash-report: error: "))]
+    assert f"metrics.jsonl: line {line} is {what}" in result.output
+    assert not (tmp_path / "report.png").exists()
+
+
+def test_report_skips_a_last_line_cut_short_by_a_crash_with_a_warning(tmp_path):
+    from dflash_pipeline.train.metrics import read_records
+    from dflash_pipeline.train.report import main
+
+    (tmp_path / "metrics.jsonl").write_text(LOSS_ROWS + '{"step": 4, "loss": 1.2')  # kill -9 mid-write
+    result = CliRunner().invoke(main, ["--run", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "dflash-report: warning: " in result.output and "metrics.jsonl: line 4 is cut short" in result.output
+    assert (tmp_path / "report.png").exists()
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")[0]] == [1, 2, 3]
+
+
 def device_cli(name: str, monkeypatch, tmp_path):
     """A CLI's main, its required arguments and a list that receives the device its run was given."""
     seen: list[str] = []

@@ -32,6 +32,18 @@ def test_data_fingerprint_follows_content_names_and_settings(tmp_path):
         data_fingerprint([one / "a.jsonl", one / "c.jsonl"], settings)
 
 
+def test_data_fingerprint_ignores_how_the_path_is_typed(tmp_path, monkeypatch):
+    """Relative, `./`, absolute and through a symlinked folder: the same files, the same data."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+    monkeypatch.chdir(tmp_path)
+    for root in ("d", "d/a.jsonl"):
+        spellings = [root, f"./{root}", str(tmp_path / root), str(tmp_path / root.replace("d", "link", 1)),
+                     f"link/../{root}"]
+        assert len({data_fingerprint(p, {}) for p in spellings}) == 1, root
+
+
 def test_tokenizer_fingerprint(tiny_target_dir, tmp_path):
     base = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tiny_target_dir))
     assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(tiny_target_dir)) == base

@@ -209,7 +209,7 @@ def test_input_path_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=r"x\.csv: unsupported file type '\.csv'"):
         list(iter_records(tmp_path / "x.csv"))
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(DataError, match="missing.jsonl: no such file"):
         list(iter_records(tmp_path / "missing.jsonl"))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,3 +206,120 @@ def test_rank_without_records_is_fine_when_others_have_some(tiny_target_dir, tmp
     extract(tiny_target_dir, small_corpus(tmp_path, 1), out, workers=2)
     m = load_manifest(out)
     assert m.complete and m.data["counts"]["samples"] == 1
+
+
+def test_rerun_after_fixing_a_malformed_line_starts_over_and_equals_a_clean_run(tiny_target_dir, tmp_path):
+    """The failed run committed nothing, so its store is no conflict for the fixed data."""
+    data = small_corpus(tmp_path, 5)
+    good = data.read_text()
+    lines = good.splitlines()
+    data.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
+    out = tmp_path / "store"
+    args = ("--target", str(tiny_target_dir), "--data", str(data), "--out", str(out), "--device", "cpu",
+            "--max-length", "128")
+    failed = run_cli(*args)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    assert f"{data}:3" in failed.stderr.strip().splitlines()[-1], failed.stderr
+    data.write_text(good)
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "Traceback" not in rerun.stderr
+    assert f"{out}: the earlier run committed nothing; starting over" in rerun.stderr
+    extract(tiny_target_dir, data, tmp_path / "clean", max_length=128, batch_tokens=16384)
+    assert store_files(out) == store_files(tmp_path / "clean")
+
+
+class Interrupted(Exception):
+    """Stands for a kill after some batches were committed."""
+
+
+# Small batches and shards, so that an interrupted run has committed some batches but not all.
+SMALL_PLAN = {"max_length": 96, "batch_tokens": 96, "max_batch_size": 2, "chunk_tokens": 16, "shard_tokens": 64}
+SMALL_PLAN_ARGS = ("--device", "cpu", *(a for k, v in SMALL_PLAN.items() for a in (f"--{k.replace('_', '-')}", str(v))))
+
+
+def interrupted_store(target: str, data: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store left incomplete with committed batches; paths are taken as typed, relative to the
+    folder of `out`."""
+    from dflash_pipeline.shared.store import StoreWriter, any_rank_committed
+
+    def interrupt(self):
+        self.flush_shards()  # commits the batches in whole shards, as a run killed later would have
+        raise Interrupted
+
+    with monkeypatch.context() as m:
+        m.chdir(out.parent)
+        m.setattr(StoreWriter, "finalize", interrupt)
+        with pytest.raises(Interrupted):
+            run_extraction(ExtractConfig(target=target, data=(data,), out=str(out), device="cpu", **SMALL_PLAN))
+    assert not load_manifest(out).complete and any_rank_committed(out)
+
+
+def test_data_and_target_spelled_otherwise_resume_and_equal_a_clean_run(tiny_target_dir, tmp_path, monkeypatch):
+    from dflash_pipeline.shared.store import stores_equal
+
+    data = small_corpus(tmp_path, 6)
+    (tmp_path / "model").symlink_to(tiny_target_dir)
+    out = tmp_path / "store"
+    interrupted_store("model", "./corpus.jsonl", out, monkeypatch)
+    rerun = run_cli("--target", str(tiny_target_dir), "--data", str(data), "--out", str(out), *SMALL_PLAN_ARGS)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed from committed batches" in rerun.stdout
+    assert load_manifest(out).data["paths"] == ["./corpus.jsonl"]  # as first typed, for people
+    extract(tiny_target_dir, data, tmp_path / "clean", **SMALL_PLAN)
+    assert stores_equal(out, tmp_path / "clean")
+
+
+def test_other_data_content_is_refused_when_samples_are_committed(tiny_target_dir, tmp_path, monkeypatch):
+    data = small_corpus(tmp_path, 6)
+    out = tmp_path / "store"
+    interrupted_store(str(tiny_target_dir), str(data), out, monkeypatch)
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    data.write_text(data.read_text().replace("a", "b", 1))
+    refused = run_cli("--target", str(tiny_target_dir), "--data", str(data), "--out", str(out), *SMALL_PLAN_ARGS)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    err = refused.stderr.strip().splitlines()[-1]
+    assert f"{out}: holds a store made with other settings (data.fingerprint:" in err, err
+    assert before == {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_reading_tokenizing_and_loading_are_shown_before_the_first_batch(tiny_target_dir, tmp_path):
+    out = tmp_path / "store"
+    proc = run_cli("--target", str(tiny_target_dir), "--data", str(small_corpus(tmp_path, 4)), "--out", str(out),
+                   "--device", "cpu", "--workers", "2", "--max-length", "64")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.replace("\r", "\n").splitlines()
+    steps = ["starting 2 worker processes on cpu", "read rank 0: 4 records", "tokenize rank 0: 100%",
+             "extract rank 0: loading the target's layers", "extract rank 0:   0%"]
+    first = [next((i for i, line in enumerate(lines) if step in line), None) for step in steps]
+    assert None not in first and first == sorted(first), proc.stderr
+    assert not any("rank 1" in line for line in lines)  # one rank speaks for all
+    assert len(lines) < 30, proc.stderr  # no line per record
+
+
+def test_other_settings_are_refused_while_regenerated_replies_would_be_lost(tiny_target_dir, tmp_path):
+    """Regenerated replies are hours of work: a store holding some is not started over silently."""
+    from dflash_pipeline.extract.regenerate import cache_path
+    from dflash_pipeline.extract.run import prepare_store
+
+    data, out = small_corpus(tmp_path, 2), tmp_path / "store"
+    cfg = ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu")
+    prepare_store(cfg, 1)
+    cache_path(out, 0).parent.mkdir()
+    cache_path(out, 0).write_text('{"index": 0, "messages": []}\n')  # as a run killed while generating leaves it
+    with pytest.raises(ExtractError, match=f"{re.escape(str(out))}: holds a store made with other settings .*data.max_length"):
+        prepare_store(ExtractConfig(**{**cfg.to_dict(), "max_length": 64}), 1)
+
+
+def test_store_written_before_target_location_was_recorded_still_resumes(tiny_target_dir, tmp_path):
+    from dflash_pipeline.extract.run import prepare_store
+
+    data, out = small_corpus(tmp_path, 2), tmp_path / "store"
+    cfg = ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu")
+    prepare_store(cfg, 1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["target"]["location"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    old = (out / "manifest.json").read_bytes()
+    assert prepare_store(cfg, 1)[1] is False
+    assert (out / "manifest.json").read_bytes() == old  # resumed as it is, not started over

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.shared.manifest import load_manifest
 from dflash_pipeline.shared.store import stores_equal
 
@@ -69,23 +68,16 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill_worker: b
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
-    path.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:40]) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def reference_store(tiny_target_dir, corpus, tmp_path_factory) -> Path:
+def reference_store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "store"
-    subprocess.run(command(tiny_target_dir, corpus, out), check=True, capture_output=True)
+    subprocess.run(command(tiny_target_dir, small_corpus, out), check=True, capture_output=True)
     return out
 
 
 @pytest.mark.parametrize("kill_worker,min_batches", [(False, 3), (True, 6)])
-def test_sigkill_then_rerun_is_identical(tiny_target_dir, corpus, reference_store, tmp_path, kill_worker, min_batches):
+def test_sigkill_then_rerun_is_identical(tiny_target_dir, small_corpus, reference_store, tmp_path, kill_worker, min_batches):
     out = tmp_path / "store"
-    cmd = command(tiny_target_dir, corpus, out)
+    cmd = command(tiny_target_dir, small_corpus, out)
     committed = run_until_killed(cmd, out, min_batches, kill_worker)
     assert not load_manifest(out).complete
     assert committed >= min_batches

@@ -90,6 +90,14 @@ def test_resume_differences_ignore_what_completion_fills_in():
     assert resume_differences(running, make_manifest()) == []
     other = make_manifest(target={**TARGET, "layer_ids": [2, 4]}, data={"paths": ["b.jsonl"], "fingerprint": "d2", "max_length": 2048})
     assert resume_differences(running, other) == [
-        "data.fingerprint: 'd1' -> 'd2'", "data.paths: ['a.jsonl'] -> ['b.jsonl']",
-        "target.layer_ids: [1, 9, 17, 25, 33] -> [2, 4]",
+        "data.fingerprint: 'd1' -> 'd2'", "target.layer_ids: [1, 9, 17, 25, 33] -> [2, 4]",
     ]
+
+
+def test_resume_differences_compare_what_paths_name_not_how_they_were_typed():
+    running = make_manifest(target={**TARGET, "name_or_path": "models/q", "location": "/abs/models/q"})
+    respelled = make_manifest(target={**TARGET, "name_or_path": "./models/q", "location": "/abs/models/q"},
+                              data={"paths": ["/abs/a.jsonl"], "fingerprint": "d1", "max_length": 2048})
+    assert resume_differences(running, respelled) == []
+    moved = make_manifest(target={**TARGET, "name_or_path": "models/q", "location": "/other/models/q"})
+    assert resume_differences(running, moved) == ["target.location: '/abs/models/q' -> '/other/models/q'"]

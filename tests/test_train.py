@@ -214,12 +214,10 @@ def test_ddp_gradients_equal_single_process(store_dir, tmp_path):
 
 
 def losses(run: Path) -> dict[int, float]:
-    out = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out[r["step"]] = r["loss"]
-    return out
+    """Loss by step; read while the trainer appends (or after a kill), so a cut-short last line is skipped."""
+    from dflash_pipeline.train.metrics import read_records
+
+    return {r["step"]: r["loss"] for r in read_records(run / "metrics.jsonl")[0] if "loss" in r}
 
 
 def train_cmd(store: Path, out: Path, *extra: str) -> list[str]:
@@ -275,9 +273,9 @@ def test_refuses_incomplete_store(store_dir, tmp_path):
 
 
 def test_refuses_store_of_another_target(store_dir, tiny_llama_dir, tmp_path):
-    from dflash_pipeline.shared.manifest import StoreMismatch
+    from dflash_pipeline.train.target_identity import TargetMismatch
 
-    with pytest.raises(StoreMismatch):
+    with pytest.raises(TargetMismatch, match="config hash"):
         run_training(base_config(store_dir, tmp_path / "run", target=str(tiny_llama_dir)))
 
 
@@ -300,3 +298,139 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(store_dir, tmp_path):
     arr[...] = bits
     with pytest.raises(TrainingError, match="loss became nan at step 1"):
         run_training(base_config(poisoned, tmp_path / "run"))
+
+
+def assert_same_bits(a, b, where: str = "") -> None:
+    """Equal to the bit: tensors by their bytes (so -0.0 != 0.0 and NaN == NaN), floats by hex."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_bits(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_bits(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert a.hex() == b.hex(), where
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), where
+    else:
+        assert a == b, where
+
+
+def global_rngs() -> tuple:
+    import random
+
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkeypatch, capsys):
+    """A crash after the step-4 checkpoint, while step 6's metrics line was being written: the resumed
+    trainer holds exactly what was saved (drafter weights, every optimizer tensor, the LR schedule,
+    the step and data position), goes on with the pack that came next, and repeats steps 5-6 of the
+    uninterrupted run to the bit. The global RNGs are not in a checkpoint because training never draws
+    from them (every random choice has its own seeded generator): scrambling them changes nothing."""
+    import copy
+    import random
+    import shutil
+    from safetensors.torch import load_file
+
+    from dflash_pipeline.train import checkpoint as ckpt
+    from dflash_pipeline.train import loop
+
+    cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=6, checkpoint_every=2, eval_every=2, keep_checkpoints=3)
+    saved, restored, schedules, models, after_init = {}, {}, [], [], []
+    real_build, real_save, real_load = loop.build_model, ckpt.save_checkpoint, ckpt.load_trainer_state
+    real_batches, real_state = loop.device_batches, ckpt.load_state
+
+    def build_model(*args):
+        model, head = real_build(*args)
+        models.append(model)
+        if len(models) == 1:
+            after_init.append(copy.deepcopy(global_rngs()))
+        else:  # the resumed run: its global RNGs are not the first run's
+            torch.manual_seed(12345), np.random.seed(12345), random.seed(12345)
+        return model, head
+
+    def save_checkpoint(out, model, optimizer, scheduler, state, *rest):
+        saved[state.step] = copy.deepcopy((model.state_dict(), optimizer.state_dict(), scheduler.state_dict(),
+                                           state.to_dict(), global_rngs()))
+        return real_save(out, model, optimizer, scheduler, state, *rest)
+
+    def load_state(path):
+        restored["state"] = real_state(path)
+        return restored["state"]
+
+    def load_trainer_state(path, optimizer, scheduler):
+        real_load(path, optimizer, scheduler)  # the drafter's weights were loaded just before
+        restored["all"] = copy.deepcopy((models[-1].state_dict(), optimizer.state_dict(), scheduler.state_dict(),
+                                         restored["state"].to_dict()))
+
+    def device_batches(dataset, steps, *args, **kwargs):
+        schedules.append(list(steps))
+        return real_batches(dataset, steps, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "build_model", build_model)
+    monkeypatch.setattr(loop, "device_batches", device_batches)
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(ckpt, "load_state", load_state)
+    monkeypatch.setattr(ckpt, "load_trainer_state", load_trainer_state)
+    run_training(cfg)
+    assert sorted(saved) == [2, 4, 6] and not restored
+    for step, s in saved.items():  # training drew nothing from the global RNGs after the drafter's init
+        assert_same_bits(s[4], after_init[0], f"global RNGs at step {step}")
+
+    crashed = tmp_path / "b"  # the run as a kill -9 after the step-4 checkpoint would leave it
+    shutil.copytree(cfg.out, crashed)
+    shutil.rmtree(crashed / "drafter")
+    shutil.rmtree(crashed / "checkpoints" / "step-00000006")
+    (crashed / "checkpoints" / "latest").write_text("step-00000004")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines()
+    before_crash = [l for l in lines if json.loads(l)["step"] <= 5]
+    (crashed / "metrics.jsonl").write_text("".join(l + "\n" for l in before_crash) + '{"step": 6, "epoch": 0, "lo')
+    result = run_training(replace(cfg, out=str(crashed), resume=True))
+
+    assert_same_bits(restored["all"], saved[4][:4], "restored")
+    epoch, step_in_epoch = restored["all"][3]["epoch"], restored["all"][3]["step_in_epoch"]
+    assert schedules[0][3] == (epoch, step_in_epoch - 1)  # the position is that of the 4th step done...
+    assert schedules[1] == schedules[0][4:6]  # ...and the resumed run goes on with the 5th
+    assert f"metrics.jsonl: line {len(before_crash) + 1} is cut short" in capsys.readouterr().err
+    metric = lambda run: [{k: v for k, v in json.loads(l).items() if k != "tokens_per_s"}
+                          for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert_same_bits(metric(crashed), metric(Path(cfg.out)), "metrics")
+    assert_same_bits(load_file(crashed / "drafter" / "model.safetensors"),
+                     load_file(Path(cfg.out) / "drafter" / "model.safetensors"), "drafter")
+    assert result.steps == 6 and not result.already_complete
+
+
+def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_run_shows_its_results(store_dir, tmp_path):
+    """The run stops after one epoch although --max-steps asks for more, and says why; `--resume` of
+    the finished run trains nothing and reports that run's loss, last tau and throughput."""
+    from click.testing import CliRunner
+
+    from dflash_pipeline.train.cli import main
+
+    def train(out: Path, *extra: str) -> list[str]:
+        result = CliRunner().invoke(main, ["--store", str(store_dir), "--out", str(out), *TRAIN_ARGS,
+                                           "--eval-every", "1000", "--checkpoint-every", "1000", *extra])
+        assert result.exit_code == 0, result.output
+        return result.output.splitlines()[result.output.splitlines().index("dflash-train summary"):]
+
+    first = train(tmp_path / "run", "--epochs", "1", "--max-steps", "1000")
+    steps = len(losses(tmp_path / "run"))
+    assert 1 < steps < 1000 and f"steps      {steps}   " in first[3]
+    assert first[2] == "stopped    at the epoch limit (--epochs 1) before --max-steps 1000"
+    assert "n/a" not in "\n".join(first) and not any(l.startswith("status") for l in first)
+
+    again = train(tmp_path / "run", "--epochs", "1", "--max-steps", "1000", "--resume")
+    assert again[2] == f"status     already complete at step {steps}: nothing left to train (--resume)"
+    assert again[4] == first[3]  # the same steps, final loss and tau
+    assert again[5] == first[4].replace("(last window)", "(last window of the finished run)") != first[4]
+    assert len(losses(tmp_path / "run")) == steps
+
+    short = train(tmp_path / "short", "--epochs", "1", "--max-steps", "2")
+    assert not any("epoch limit" in l or l.startswith("status") for l in short) and "steps      2   " in short[2]

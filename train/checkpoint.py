@@ -16,6 +16,7 @@ import torch
 
 from dflash_pipeline.shared.drafter import DFlashDrafter
 from dflash_pipeline.shared.durable import replace_dir_durably, write_bytes_durably
+from dflash_pipeline.train.target_identity import TargetIdentity
 
 LATEST = "latest"
 
@@ -36,13 +37,15 @@ def checkpoint_dir(out: Path) -> Path:
     return out / "checkpoints"
 
 
-def save_checkpoint(out: Path, model: DFlashDrafter, optimizer, scheduler, state: TrainState, keep: int) -> Path:
+def save_checkpoint(out: Path, model: DFlashDrafter, optimizer, scheduler, state: TrainState, keep: int,
+                    target: TargetIdentity) -> Path:
     root = checkpoint_dir(out)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:08d}"
     tmp = root / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    target.save(tmp)  # a checkpoint is a drafter dflash-eval can check against its target
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps(state.to_dict(), indent=1))
     final = root / name

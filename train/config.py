@@ -32,9 +32,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     # execution
-    device: str = "cuda"
+    device: str = "auto"  # "auto" (CUDA if there is one), "cuda" or "cpu"
     gpus: tuple[int, ...] = ()
     workers: int = 1  # processes with device=cpu
+    collective_timeout: float = 300.0  # seconds a rank may go silent before the others stop
     attention: str = "auto"  # auto | flex_compiled | flex_eager | sdpa_dense
     # bookkeeping
     log_every: int = 1

@@ -17,6 +17,7 @@ import click
 import torch
 
 from dflash_pipeline.shared.device import device_option, resolve_device
+from dflash_pipeline.shared.errors import cli_errors
 
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -59,16 +60,24 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
     from dflash_pipeline.data.chat import stop_token_ids
     from dflash_pipeline.extract.assets import load_tokenizer
-    from dflash_pipeline.extract.target import HiddenStateCapture, load_full_target
+    from dflash_pipeline.extract.target import HiddenStateCapture, config_hash, load_full_target, load_target_config
     from dflash_pipeline.shared.drafter import DFlashDrafter
     from dflash_pipeline.shared.generation.sampling import SamplingParams
     from dflash_pipeline.shared.speculative import dflash_generate, target_generate
+    from dflash_pipeline.train.target_identity import TargetIdentity, check_config, check_drafter_fits, check_weights
 
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    target = load_full_target(target_path, device=dev, dtype=torch_dtype)
     drafter = DFlashDrafter.from_pretrained(drafter_path, attention_backend="sdpa_dense", device=dev, dtype=torch_dtype).eval()
+    identity = TargetIdentity.load(drafter_path)
+    target_config = load_target_config(target_path)
+    if identity is not None:  # refused before the target's weights are read
+        check_config(identity, f"the drafter {drafter_path}", target_path, config_hash(target_config))
+    check_drafter_fits(drafter.config, drafter_path, target_path, target_config)
     tokenizer = load_tokenizer(target_path)
+    target = load_full_target(target_path, device=dev, dtype=torch_dtype)
+    if identity is not None:
+        check_weights(identity, f"the drafter {drafter_path}", target_path, target)
     stop_ids = stop_token_ids(tokenizer, target.generation_config.eos_token_id)
     capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
     prompts = prompts_from(prompts_path, tokenizer, limit, max_prompt_tokens)
@@ -124,6 +133,7 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
 @click.option("--top-k", default=0, type=click.IntRange(0), help="0: no top-k filter.")
 @click.option("--seed", default=0, type=int, help="Seed of the sampling (prompt n uses seed + n).")
 @click.option("--json", "json_path", default=None, help="Write the full report here.")
+@cli_errors("dflash-eval")
 def main(target, drafter, prompts, limit, max_new_tokens, block_size, device, dtype, temperature, top_p, top_k, seed,
          json_path) -> None:
     """Measure acceptance length and speedup of a drafter; check lossless greedy decoding."""

@@ -37,6 +37,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+from dflash_pipeline.shared.errors import UserError
 from dflash_pipeline.shared.shard_io import decode_in_this_thread_only
 from dflash_pipeline.train.dataset import StepDataset, batch_layout
 from dflash_pipeline.train.step import to_device
@@ -161,6 +162,8 @@ def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: 
                 epoch, k, item = next(it)
             except StopIteration:
                 return
+            except UserError as exc:  # a bad store, found by a worker
+                raise worker_error(exc) from None
             extras = {key: torch.as_tensor(value) for key, value in item.items() if key != "slot"}
             if copy_stream is None:
                 batch = {**ring.layout.carve(ring.buffers[item["slot"]].clone()), **extras}
@@ -169,11 +172,21 @@ def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: 
                 copies.append(done)
             yield epoch, k, batch
     finally:
-        del it  # stops the workers before the slots go
+        it._shutdown_workers()  # before the slots go; an exception's traceback would keep `it` alive
+        del it
         dataset.slots = None
         for done in copies:
             done.synchronize()
         ring.close()
+
+
+def worker_error(exc: UserError) -> UserError:
+    """The DataLoader re-raises a worker's exception with the worker's traceback as its message;
+    the user's line is the last one of it."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1:
+        exc.args = (lines[-1].partition(f"{type(exc).__name__}: ")[2] or lines[-1],)
+    return exc
 
 
 def _copy_on(stream: torch.cuda.Stream, ring: SlotRing, slot: int, extras: dict[str, torch.Tensor],

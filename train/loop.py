@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_pipeline.shared.blocks import default_gamma
+from dflash_pipeline.shared.cluster import Cluster, group_timeout
 from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
-from dflash_pipeline.shared.durable import write_bytes_durably
-from dflash_pipeline.shared.launch import UserError
+from dflash_pipeline.shared.durable import replace_dir_durably, write_bytes_durably
+from dflash_pipeline.shared.errors import UserError
 from dflash_pipeline.shared.progress import progress_bar
 from dflash_pipeline.shared.store import FeatureStore
 from dflash_pipeline.train import checkpoint as ckpt
@@ -31,6 +33,7 @@ from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
 from dflash_pipeline.train.feed import device_batches
 from dflash_pipeline.train.holdout import prompt_groups
+from dflash_pipeline.train.metrics import read_records
 from dflash_pipeline.train.packing import plan_packs, rank_slice, split_holdout
 from dflash_pipeline.train.setup import (
     load_target_config,
@@ -39,10 +42,14 @@ from dflash_pipeline.train.setup import (
     validate_store,
 )
 from dflash_pipeline.train.step import block_acceptance, pack_loss, to_device
+from dflash_pipeline.train.target_identity import TargetIdentity
 
 
 # Held-out packs and their anchors are drawn with this "epoch", apart from every training epoch.
 EVAL_EPOCH = 2**31 - 1
+
+
+RESUME_HINT = "rerun with --resume to continue from the last checkpoint"
 
 
 class TrainingError(UserError, RuntimeError):
@@ -53,9 +60,11 @@ class TrainingError(UserError, RuntimeError):
 class RankResult:
     steps: int
     final_loss: float | None
-    eval_tau: float | None
-    tokens_per_s: float
+    eval_tau: float | None  # the last evaluation's, this session's or (resumed) an earlier one's
+    tokens_per_s: float  # of the last logged window, likewise
     out: str
+    already_complete: bool = False  # resumed a run that had done all its steps: nothing trained now
+    epoch_limit: bool = False  # --epochs ended the run before --max-steps
 
 
 def backend_for(cfg: TrainConfig, device: torch.device) -> str:
@@ -82,35 +91,44 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def from_rank0(compute: Callable[[], np.ndarray], length: int, device: torch.device) -> np.ndarray:
+def from_rank0(compute: Callable[[], np.ndarray], length: int, device: torch.device,
+               cluster: Cluster | None = None) -> np.ndarray:
     """`compute()` (int64 [length]) run on rank 0 only and sent to every rank: the held-out prompt
-    groups read every sample's ids and mask (5 bytes per token of the store), once is enough."""
+    groups read every sample's ids and mask (5 bytes per token of the store), once is enough.
+    With `cluster`, the others wait for it at a meeting point, not in the broadcast (it may take long)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return compute()
     if dist.get_rank() == 0:
         values = torch.as_tensor(compute(), dtype=torch.int64).to(device)
     else:
         values = torch.empty(length, dtype=torch.int64, device=device)
+    if cluster is not None:
+        cluster.meet("prompt-groups")
     dist.broadcast(values, src=0)
     return values.cpu().numpy()
 
 
 class MetricsLog:
-    """metrics.jsonl on rank 0; on resume, lines after the resumed step are dropped first."""
+    """metrics.jsonl on rank 0; on resume, lines after the resumed step are dropped first. A new
+    run's log is started by its first record, so a run that fails before its first step leaves none."""
 
     def __init__(self, path: Path, enabled: bool, resume_step: int | None):
         self.path = path
         self.enabled = enabled
+        self.mode = "w" if resume_step is None else "a"
+        self.kept: list[dict] = []  # the records up to the resumed step, which a resumed run reports from
         if enabled and resume_step is not None and path.exists():
-            kept = [l for l in path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= resume_step]
-            write_bytes_durably(path, "".join(l + "\n" for l in kept).encode())  # a crash keeps the old log
-        elif enabled and resume_step is None:
-            path.write_text("")
+            records, warning = read_records(path)  # a line cut short by the crash is dropped
+            if warning:
+                print(f"dflash-train: warning: {warning}", file=sys.stderr)
+            self.kept = [r for r in records if r.get("step", 0) <= resume_step]
+            write_bytes_durably(path, "".join(json.dumps(r) + "\n" for r in self.kept).encode())  # a crash keeps the old log
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
+            with open(self.path, self.mode) as f:
                 f.write(json.dumps(record) + "\n")
+            self.mode = "a"
 
 
 def build_model(cfg: TrainConfig, store: FeatureStore, device: torch.device) -> tuple[DFlashDrafter, TargetHead]:
@@ -129,7 +147,8 @@ def build_model(cfg: TrainConfig, store: FeatureStore, device: torch.device) -> 
     return model, head
 
 
-def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) -> RankResult:
+def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device, cluster: Cluster | None = None) -> RankResult:
+    """`cluster`: with several ranks, where they wait for one another's unequal work (see `Cluster.meet`)."""
     out = Path(cfg.out)
     store = FeatureStore(cfg.store)
     validate_store(store, cfg)
@@ -141,7 +160,7 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
 
     lengths = np.asarray(store.lengths)
     # a held-out prompt never also trains
-    groups = from_rank0(lambda: prompt_groups(store), len(store), device) if cfg.eval_samples else None
+    groups = from_rank0(lambda: prompt_groups(store), len(store), device, cluster) if cfg.eval_samples else None
     train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed, groups)
     spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, cfg.max_anchors_per_sample)
     plan = StepPlan(train_ids, lengths, cfg.pack_tokens, cfg.seed, rank, world, cfg.packs_per_step)
@@ -186,6 +205,11 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
 
     bar = progress_bar(total=total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0)
     last_loss, tau, rate = state.last_loss, None, 0.0
+    for record in metrics.kept:  # a resumed run that trains no further still reports its last results
+        tau = record["tau"] if record.get("type") == "eval" else tau
+        rate = record.get("tokens_per_s", rate)
+    already_complete = resume_from is not None and state.step >= total_steps
+    epoch_limit = cfg.max_steps is not None and len(schedule) < cfg.max_steps
     window_tokens, window_start = 0, time.perf_counter()
     workers = cfg.resolved_loader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     batches = device_batches(StepDataset(cfg.store, plan, spec), schedule[state.step : total_steps], workers, device)
@@ -228,20 +252,30 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device) ->
             tau = evaluate(model, head, cfg, store, eval_packs, spec, backend, device, autocast, gamma)
             metrics.write({"step": state.step, "type": "eval", "tau": tau})
         if state.step % cfg.checkpoint_every == 0 or state.step == total_steps:
-            save_all(rank, out, model, optimizer, scheduler, state, cfg)
+            save_all(rank, out, model, optimizer, scheduler, state, cfg, store, cluster)
     bar.close()
     if rank == 0:
-        model.save_pretrained(out / "drafter")
-    if dist.is_initialized():
-        dist.barrier()
-    return RankResult(state.step, last_loss, tau, rate, str(out))
+        save_drafter(model, out / "drafter", TargetIdentity.of_store(store.root, store.manifest.target))
+    if cluster is not None:
+        cluster.meet("drafter-saved")
+    return RankResult(state.step, last_loss, tau, rate, str(out), already_complete, epoch_limit)
 
 
-def save_all(rank, out, model, optimizer, scheduler, state, cfg) -> None:
+def save_drafter(model: DFlashDrafter, folder: Path, target: TargetIdentity) -> None:
+    """The trained drafter with its target's identity, written whole or not at all."""
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    target.save(tmp)
+    replace_dir_durably(tmp, folder)
+
+
+def save_all(rank, out, model, optimizer, scheduler, state, cfg, store, cluster=None) -> None:
     if rank == 0:
-        ckpt.save_checkpoint(out, model, optimizer, scheduler, state, cfg.keep_checkpoints)
-    if dist.is_initialized():
-        dist.barrier()
+        ckpt.save_checkpoint(out, model, optimizer, scheduler, state, cfg.keep_checkpoints,
+                             TargetIdentity.of_store(store.root, store.manifest.target))
+    if cluster is not None:
+        cluster.meet(f"checkpoint-{state.step}")
 
 
 @torch.no_grad()
@@ -261,11 +295,12 @@ def evaluate(model, head, cfg, store, eval_packs, spec, backend, device, autocas
     return total / count if count else float("nan")
 
 
-def init_distributed(rank: int, world: int, device: torch.device, init_method: str | None) -> None:
+def init_distributed(rank: int, world: int, device: torch.device, init_method: str | None,
+                     timeout_s: float = TrainConfig.collective_timeout) -> None:
     if world == 1 and init_method is None:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"timeout": timedelta(hours=2)}
+    kwargs = {"timeout": group_timeout(timeout_s)}
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world)
     dist.init_process_group(backend, **kwargs)
@@ -279,10 +314,16 @@ def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None)
         device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
+        # fixed by the host and world size alone (not OMP_NUM_THREADS or the caller's setting): a
+        # parallel CPU kernel splits its sums by thread count, and a run and its resume must round alike
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    init_distributed(rank, world, device, init_method)
+    init_distributed(rank, world, device, init_method, cfg.collective_timeout)
     try:
-        return train_rank(rank, world, cfg, device)
+        if not dist.is_initialized():
+            return train_rank(rank, world, cfg, device)
+        with Cluster("dflash-train", cfg.collective_timeout, RESUME_HINT) as cluster:
+            cluster.require_shared(Path(cfg.out), "--out")
+            return train_rank(rank, world, cfg, device, cluster)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
+from dflash_pipeline.shared.errors import cli_errors
+from dflash_pipeline.train.metrics import read_records
+
 
 def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
+    """(loss rows, eval rows); a last line cut short by a crash is skipped with a warning, since a
+    crashed run is exactly the one whose curves are wanted; any other bad line is a `MetricsError`."""
     path = run / "metrics.jsonl"
     if not path.exists():
         raise click.UsageError(f"{path}: no metrics (is --run a dflash-train output folder?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, warning = read_records(path)
+    if warning:
+        click.echo(f"dflash-report: warning: {warning}", err=True)
     train = [r for r in rows if "loss" in r]
     if not train:  # an empty plot would look like a report of a run that learned nothing
         raise click.UsageError(f"{path}: no training loss rows yet (has the run logged its first step?)")
@@ -44,6 +50,7 @@ def draw(run: Path, png: Path) -> Path:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--run", required=True, type=click.Path(file_okay=False, exists=True), help="dflash-train --out folder.")
 @click.option("--png", default=None, help="Output image [default: RUN/report.png].")
+@cli_errors("dflash-report")
 def main(run: str, png: str | None) -> None:
     """Draw loss and acceptance curves of a run."""
     out = draw(Path(run), Path(png) if png else Path(run) / "report.png")

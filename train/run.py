@@ -7,18 +7,20 @@ from dataclasses import replace
 
 import torch
 
-from dflash_pipeline.shared.device import gpus_on_cpu
+from dflash_pipeline.shared.cluster import torchrun_refusal
+from dflash_pipeline.shared.device import gpus_on_cpu, pick_device
 from dflash_pipeline.shared.launch import RankFailed, free_port, spawn_ranks
+from dflash_pipeline.shared.store import FeatureStore
 from dflash_pipeline.train.config import TrainConfig
-from dflash_pipeline.train.loop import RankResult, TrainingError, rank_entry
+from dflash_pipeline.train.loop import RESUME_HINT, RankResult, TrainingError, rank_entry
+from dflash_pipeline.train.setup import check_store_target
 
 
 def resolve_devices(cfg: TrainConfig) -> TrainConfig:
-    """Default GPUs: three if available (else all visible); CPU when there is no CUDA."""
+    """Default GPUs: three if available (else all visible); `auto` is CUDA when there is one."""
     if refusal := gpus_on_cpu(cfg.gpus, cfg.device):
         raise TrainingError(refusal)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        return replace(cfg, device="cpu")
+    cfg = replace(cfg, device=pick_device(cfg.device))
     if cfg.device == "cuda" and not cfg.gpus:
         return replace(cfg, gpus=tuple(range(min(3, torch.cuda.device_count()))))
     return cfg
@@ -26,9 +28,13 @@ def resolve_devices(cfg: TrainConfig) -> TrainConfig:
 
 def run_training(cfg: TrainConfig) -> RankResult | None:
     """Train as configured; returns rank 0's result (None on other torchrun ranks)."""
+    if cfg.target is not None:  # once per node, before any rank starts
+        check_store_target(FeatureStore(cfg.store), cfg.target)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if refusal := torchrun_refusal(cfg.gpus, cfg.workers):
+            raise TrainingError(refusal)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        cfg = replace(cfg, device="cuda" if torch.cuda.is_available() and cfg.device == "cuda" else "cpu")
+        cfg = replace(cfg, device=pick_device(cfg.device))
         result = rank_entry(rank, world, cfg, None)
         return result if rank == 0 else None
     cfg = resolve_devices(cfg)
@@ -38,4 +44,4 @@ def run_training(cfg: TrainConfig) -> RankResult | None:
     try:
         return spawn_ranks(rank_entry, cfg.world_size, (cfg.world_size, cfg, init))[0]
     except RankFailed as exc:
-        raise TrainingError(f"{exc}; rerun with --resume to continue from the last checkpoint") from exc
+        raise TrainingError(f"{exc}; {RESUME_HINT}") from exc

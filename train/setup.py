@@ -6,9 +6,9 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from dflash_pipeline.shared.launch import UserError
-from dflash_pipeline.shared.manifest import check_compatible
+from dflash_pipeline.shared.errors import UserError
 from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.train.target_identity import TargetIdentity, check_config, check_weights
 
 
 class StoreUnusable(UserError, ValueError):
@@ -35,12 +35,17 @@ def store_identity(store: FeatureStore) -> dict:
     }
 
 
+def check_store_target(store: FeatureStore, target: str) -> None:
+    """Refuse a store not extracted from `target` (`--target`): other config or other weights."""
+    from dflash_pipeline.extract.target import config_hash, load_target_config as load_cfg
+
+    identity = TargetIdentity.of_store(store.root, store.manifest.target)
+    check_config(identity, f"the store {store.root}", target, config_hash(load_cfg(target)))
+    check_weights(identity, f"the store {store.root}", target)
+
+
 def validate_store(store: FeatureStore, cfg) -> None:
     """Refuse, with one line, a store that cannot train this drafter."""
-    if cfg.target is not None:
-        from dflash_pipeline.extract.target import config_hash, load_target_config as load_cfg
-
-        check_compatible(store.manifest, config_hash=config_hash(load_cfg(cfg.target)), root=store.root)
     if len(store) == 0:
         raise StoreUnusable(f"{store.root}: the store holds no samples")
     longest = int(max(store.lengths))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_pipeline.shared.generation.paged_attention import paged_decode_attention
-from dflash_pipeline.shared.launch import UserError
+from dflash_pipeline.shared.errors import UserError
 
 # Decoders whose layers are exactly: x + attn(norm(x)), then x + mlp(norm(x)); attention with
 # q/k/v/o projections (optional bias), optional per-head q/k RMSNorm, rotary positions, GQA.

@@ -1,0 +1,169 @@
+"""Ranks of a process group (torchrun, several nodes) that fail fast and say why instead of hanging.
+
+- Liveness: every rank's watcher thread bumps its heartbeat counter in the group's c10d store every
+  few seconds and reads the others'. A counter that stands still for `timeout` seconds (a frozen,
+  killed or cut-off node) makes the watcher print which rank(s) did not answer and end the process
+  with exit code 1: a rank blocked in any collective (gloo or NCCL) or store wait cannot notice by
+  itself. The watcher only talks to the store; it never touches model compute.
+- Meeting points (`meet`): where ranks legitimately arrive at very different times (the end of
+  extraction waits for the slowest rank's work; rank 0 alone prepares the store or saves a
+  checkpoint), ranks poll the store instead of blocking in a collective, so the wait lasts as long
+  as the work does while a dead peer is still noticed within `timeout`. A rank that stopped with an
+  error is reported at once. Collectives themselves get twice `timeout` as a backstop.
+- Shared folders (`require_shared`): rank 0 writes a nonce file, every rank reads it back, and all
+  refuse to start unless every rank saw it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dflash_pipeline.shared.errors import UserError
+
+_KEY = "dflash/"
+_POLL_S = 0.2
+
+
+class ClusterError(UserError, RuntimeError):
+    """The ranks cannot go on together (a rank failed, or a folder is not shared); one line for the user."""
+
+
+def group_timeout(timeout_s: float) -> timedelta:
+    """Timeout of the process group's collectives: a backstop behind the heartbeat watcher."""
+    return timedelta(seconds=2 * timeout_s + 30)
+
+
+def torchrun_refusal(gpus: tuple[int, ...], workers: int) -> str | None:
+    """Why `--gpus`/`--workers` cannot apply under torchrun (it starts the processes); None if unused."""
+    if not gpus and workers == 1:
+        return None
+    return (f"{'--gpus' if gpus else '--workers'} cannot be used under torchrun: torchrun owns the processes "
+            "(one per --nproc-per-node; GPU = LOCAL_RANK, choose GPUs with CUDA_VISIBLE_DEVICES)")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class Cluster:
+    """Heartbeats, meeting points and the shared-folder check of an initialized process group;
+    use as a context manager around the rank's work (stops the watcher, tells the others how it ended)."""
+
+    def __init__(self, cli: str, timeout_s: float, hint: str):
+        self.cli, self.timeout_s, self.hint = cli, timeout_s, hint
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store = dist.distributed_c10d._get_default_store()
+        self.period = max(0.2, min(5.0, timeout_s / 10))
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="dflash-heartbeat", daemon=True)
+
+    def __enter__(self) -> Cluster:
+        self._watcher.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop.set()
+        self._watcher.join()
+        cause = exc is not None and not isinstance(exc, ClusterError)  # not: gave up because of another rank
+        try:
+            self.store.set(f"{_KEY}left/{self.rank}", "error" if cause else "ok" if exc is None else "gave up")
+            if cause:
+                self.store.add(f"{_KEY}failed", 1)
+            else:
+                self.store.add(f"{_KEY}leaving", 1)
+            if exc is None and self.rank == 0:  # spawned ranks keep the store in rank 0's process: keep it
+                deadline = time.monotonic() + self.timeout_s  # until the others are done with it
+                while self.store.add(f"{_KEY}leaving", 0) < self.world and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)
+        except Exception:  # noqa: BLE001 - the store's host may be gone; the original error matters
+            pass
+        if exc is not None and not isinstance(exc, UserError) and isinstance(exc, RuntimeError):
+            failed = self._failed_ranks()  # a collective broke because another rank stopped
+            if failed:
+                raise ClusterError(f"{_ranks(failed)} stopped with an error (see its output); {self.hint}") from exc
+
+    def _failed_ranks(self) -> list[int]:
+        try:
+            return [r for r in range(self.world) if r != self.rank and self.store.check([f"{_KEY}left/{r}"])
+                    and self.store.get(f"{_KEY}left/{r}") == b"error"]
+        except Exception:  # noqa: BLE001
+            return []
+
+    def _die(self, why: str) -> None:
+        print(f"{self.cli}: error: rank {self.rank}: {why}; {self.hint}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _watch(self) -> None:
+        """The watcher thread: own store connection, so a blocked main thread cannot hold it up."""
+        try:
+            store = self.store.clone()
+            store.set_timeout(timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001
+            self._die(f"cannot reach the c10d store ({exc})")
+        others = [r for r in range(self.world) if r != self.rank]
+        keys = [f"{_KEY}hb/{r}" for r in others]
+        last = {r: (b"", time.monotonic()) for r in others}
+        created = False
+        while not self._stop.wait(self.period):
+            try:
+                store.add(f"{_KEY}hb/{self.rank}", 1)
+                if not created:  # then one request reads them all
+                    for key in keys:
+                        store.add(key, 0)
+                    created = True
+                now = time.monotonic()
+                for r, count in zip(others, store.multi_get(keys)):
+                    if count != last[r][0]:
+                        last[r] = (count, now)
+                silent = [r for r in others if now - last[r][1] > self.timeout_s
+                          and not store.check([f"{_KEY}left/{r}"])]
+            except Exception:  # noqa: BLE001 - the store itself did not answer
+                if self._stop.is_set():
+                    return
+                self._die(f"the c10d store ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}, "
+                          f"kept by the node of rank 0) did not answer for {self.timeout_s:g} s")
+            if silent and not self._stop.is_set():
+                self._die(f"{_ranks(silent)} did not answer for {self.timeout_s:g} s "
+                          "(node frozen, killed or cut off from this one)")
+
+    def meet(self, name: str) -> None:
+        """Wait until every rank reached the meeting point `name` (unique per meeting), however long
+        their work takes; a rank that stopped with an error ends the wait at once."""
+        key = f"{_KEY}meet/{name}"
+        self.store.add(key, 1)
+        while self.store.add(key, 0) < self.world:
+            if self.store.add(f"{_KEY}failed", 0) and (failed := self._failed_ranks()):
+                raise ClusterError(f"{_ranks(failed)} stopped with an error (see its output); {self.hint}")
+            time.sleep(_POLL_S)
+
+    def require_shared(self, folder: Path, option: str) -> None:
+        """Refuse to start unless every rank sees the file rank 0 writes into `folder` (created here)."""
+        marker_key = f"{_KEY}shared{option}"
+        if self.rank == 0:
+            nonce = secrets.token_hex(8)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f".dflash-shared-{nonce}").write_text(nonce)
+            self.store.set(marker_key, nonce)
+        self.meet(f"{option}-written")
+        nonce = self.store.get(marker_key).decode()
+        try:
+            seen = (folder / f".dflash-shared-{nonce}").read_text() == nonce
+        except OSError:
+            seen = False
+        self.store.set(f"{marker_key}/{self.rank}", "1" if seen else "0")
+        self.meet(f"{option}-read")
+        if self.rank == 0:
+            (folder / f".dflash-shared-{nonce}").unlink()
+        blind = [r for r in range(self.world) if self.store.get(f"{marker_key}/{r}") != b"1"]
+        if blind:
+            raise ClusterError(
+                f"{option} {folder}: {_ranks(blind)} cannot see the files rank 0 writes there; "
+                f"{option} must be one folder shared by every node, at the same path on each")

@@ -1,0 +1,264 @@
+"""Two torchrun agents on localhost stand in for two nodes (`--nnodes 2 --nproc-per-node 1`, static
+rendezvous): results equal the spawned runs, a killed node is resumed, a frozen node is named within
+--collective-timeout, and a folder that is not shared is refused at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.shared.launch import free_port
+from dflash_pipeline.shared.manifest import load_manifest
+from dflash_pipeline.shared.store import stores_equal
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+EXTRACT_ARGS = ["--max-length", "96", "--batch-tokens", "96", "--max-batch-size", "2", "--chunk-tokens", "16",
+                "--shard-tokens", "64", "--layers", "0,1,3"]
+TRAIN_ARGS = ["--device", "cpu", "--num-layers", "1", "--block-size", "8", "--pack-tokens", "128", "--num-blocks", "16",
+              "--eval-samples", "2", "--loader-workers", "0", "--max-steps", "4", "--checkpoint-every", "2",
+              "--eval-every", "4"]
+
+
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_node_left_behind():
+    """A failed test must not leave agents or workers running (or frozen)."""
+    yield
+    while STARTED:
+        node = STARTED.pop()
+        if node.poll() is None:
+            signal_node(node, signal.SIGKILL)
+            node.wait()
+
+
+def start_nodes(module: str, logs: Path, args: list[str], cwds: tuple[Path, Path] | None = None) -> list[subprocess.Popen]:
+    """One torchrun agent per "node" (`signal_node` kills or freezes one whole);
+    output goes to files under `logs` (a full pipe would block the node)."""
+    port = free_port()
+    logs.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = []
+    for node in (0, 1):
+        with open(logs / f"node{node}.log", "w") as log:
+            nodes.append(subprocess.Popen(
+                [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
+                 "127.0.0.1", "--master-port", str(port), "-m", module, *args],
+                cwd=cwds[node] if cwds else None, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                start_new_session=True))
+        nodes[-1].log = logs / f"node{node}.log"
+    STARTED.extend(nodes)
+    return nodes
+
+
+def finish(nodes: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+    """Each node's exit code and output."""
+    return [(p.wait(timeout=timeout), p.log.read_text()) for p in nodes]
+
+
+def signal_node(node: subprocess.Popen, sig: int) -> None:
+    """Signal a node's agent and every process under it (torchrun starts its workers in sessions of their own)."""
+    pids, todo = [], [node.pid]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    todo.append(int(stat.parent.name))
+            except (OSError, ValueError):
+                pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def extract_args(target: Path, data: Path, out: Path | str, *extra: str) -> list[str]:
+    return ["--target", str(target), "--data", str(data), "--out", str(out), *EXTRACT_ARGS, *extra]
+
+
+def committed_batches(out: Path) -> int:
+    total = 0
+    for p in (out / "shards").glob("rank-*.progress.json"):
+        try:
+            total += json.loads(p.read_text()).get("batches", 0)
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def wait_for_batches(nodes: list[subprocess.Popen], out: Path, n: int) -> None:
+    deadline = time.time() + 120
+    while committed_batches(out) < n:
+        assert all(p.poll() is None for p in nodes), "finished before it could be interrupted"
+        assert time.time() < deadline, "no progress"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def spawned_store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
+    """The store of the same extraction with two spawned CPU workers."""
+    out = tmp_path_factory.mktemp("spawned") / "store"
+    subprocess.run([sys.executable, "-m", "dflash_pipeline.extract.cli", *extract_args(tiny_target_dir, small_corpus, out),
+                    "--device", "cpu", "--workers", "2"], check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.slow
+def test_two_nodes_extract_and_train_like_spawned_runs(tiny_target_dir, small_corpus, spawned_store, tmp_path):
+    store = tmp_path / "store"
+    results = finish(start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs-extract", extract_args(tiny_target_dir, small_corpus, store)))
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert stores_equal(store, spawned_store)
+
+    spawned = tmp_path / "spawned-run"
+    subprocess.run([sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(store), "--out", str(spawned),
+                    *TRAIN_ARGS, "--workers", "2"], check=True, capture_output=True)
+    run = tmp_path / "run"
+    results = finish(start_nodes("dflash_pipeline.train.cli", tmp_path / "logs-train", ["--store", str(store), "--out", str(run), *TRAIN_ARGS]))
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert (run / "drafter" / "model.safetensors").read_bytes() == (spawned / "drafter" / "model.safetensors").read_bytes()
+    losses = [[json.loads(l).get("loss") for l in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, spawned)]
+    assert losses[0] == losses[1] and len(losses[0]) >= 4
+
+
+@pytest.mark.slow
+def test_killed_node_then_rerun_is_identical(tiny_target_dir, small_corpus, spawned_store, tmp_path):
+    store = tmp_path / "store"
+    args = extract_args(tiny_target_dir, small_corpus, store, "--collective-timeout", "5")
+    nodes = start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs-killed", args)
+    wait_for_batches(nodes, store, 4)
+    signal_node(nodes[1], signal.SIGKILL)
+    (rc, err), _ = finish(nodes)  # rank 0 notices within --collective-timeout
+    assert rc != 0 and "rank 1 did not answer for 5 s" in err and not load_manifest(store).complete
+    results = finish(start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs-rerun", args))
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert stores_equal(store, spawned_store)
+
+
+@pytest.mark.slow
+def test_frozen_node_is_named_within_the_timeout(tiny_target_dir, tmp_path):
+    store = tmp_path / "store"  # the whole sample small_corpus: node 1 is frozen long before its share is done
+    nodes = start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs",
+                        extract_args(tiny_target_dir, sample_corpus_path(), store, "--collective-timeout", "4"))
+    deadline = time.time() + 120
+    while not (store / "manifest.json").exists():  # rank 0 has prepared the store; rank 1 is about to start
+        assert nodes[0].poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    signal_node(nodes[1], signal.SIGSTOP)
+    frozen = time.monotonic()
+    rc = nodes[0].wait(timeout=60)
+    waited = time.monotonic() - frozen
+    err = nodes[0].log.read_text()
+    assert rc != 0
+    assert "dflash-extract: error: rank 0: rank 1 did not answer for 4 s" in err, err[-3000:]
+    assert "rerun the same command" in err
+    assert waited < 4 + 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["extract", "train"])
+def test_output_folder_not_shared_is_refused_at_start(stage, tiny_target_dir, small_corpus, spawned_store, tmp_path):
+    """Each "node" runs in its own working folder and gets a relative --out: two private folders."""
+    cwds = (tmp_path / "node0", tmp_path / "node1")
+    for cwd in cwds:
+        cwd.mkdir()
+    if stage == "extract":
+        nodes = start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs", extract_args(tiny_target_dir, small_corpus, "out"), cwds)
+    else:
+        nodes = start_nodes("dflash_pipeline.train.cli", tmp_path / "logs", ["--store", str(spawned_store), "--out", "out", *TRAIN_ARGS], cwds)
+    results = finish(nodes, timeout=120)
+    assert [rc for rc, _ in results] == [1, 1]
+    for _, err in results:
+        assert f"dflash-{stage}: error: --out out: rank 1 cannot see the files rank 0 writes there; " \
+               "--out must be one folder shared by every node" in err, err[-3000:]
+    assert list((cwds[0] / "out").iterdir()) == [] and not (cwds[1] / "out").exists()
+
+
+@pytest.mark.parametrize("stage,option", [("extract", ["--workers", "2"]), ("train", ["--gpus", "0"])])
+def test_torchrun_refuses_process_options(stage, option, monkeypatch, tmp_path):
+    """torchrun starts the processes; --gpus/--workers would be silently ignored, so they are refused."""
+    from dflash_pipeline.extract.cli import main as extract_main
+    from dflash_pipeline.train.cli import main as train_main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = ["--target", "t", "--data", "d"] if stage == "extract" else ["--store", str(tmp_path / "s")]
+    result = CliRunner().invoke(extract_main if stage == "extract" else train_main,
+                                [*args, "--out", str(tmp_path / "out"), "--device", "cpu", *option])
+    assert result.exit_code == 1, result.output
+    assert f"{option[0]} cannot be used under torchrun: torchrun owns the processes" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_torchrun_extraction_follows_the_device_rule(tiny_target_dir, small_corpus, monkeypatch, tmp_path):
+    """--device auto (the config's default) is the CPU without CUDA under torchrun too."""
+    import torch
+
+    from dflash_pipeline.extract.config import ExtractConfig
+    from dflash_pipeline.extract.run import run_extraction
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    summary = run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(small_corpus),), out=str(tmp_path / "store"),
+                                           max_length=64, limit=4))
+    assert summary.samples == 4 and load_manifest(tmp_path / "store").complete
+
+
+def meet_after(rank: int, world: int, port: int, fail_rank: int) -> str:
+    """Spawned rank body: `fail_rank` stops with an error before the meeting; the others meet."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dflash_pipeline.shared.cluster import Cluster, ClusterError
+    from dflash_pipeline.shared.errors import UserError
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        with Cluster("test", 30, "hint") as cluster:
+            if rank == fail_rank:
+                raise UserError("bad input")
+            cluster.meet("work-done")
+    except ClusterError as exc:
+        return str(exc)
+    except UserError:
+        return "failed"
+    finally:
+        dist.destroy_process_group()
+    return "met"
+
+
+@pytest.mark.slow
+def test_a_rank_that_stopped_with_an_error_ends_the_meeting_at_once():
+    """The others learn of it from the store instead of waiting for --collective-timeout. The store is
+    kept here, as torchrun's agent keeps it, so that it outlives every rank."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dflash_pipeline.shared.launch import spawn_ranks
+
+    for world, fail_rank, want in [(3, 2, ["rank 2 stopped with an error (see its output); hint"] * 2 + ["failed"]),
+                                   (2, -1, ["met", "met"])]:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=30))
+        started = time.monotonic()
+        assert spawn_ranks(meet_after, world, (world, store.port, fail_rank)) == want
+        assert time.monotonic() - started < 25
