@@ -137,8 +137,9 @@ def codec_speed(spec: str, hidden: np.ndarray, chunk: int) -> tuple[float, float
 
 
 def measure(spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, repeats: int, chunk: int, shard: int) -> dict:
-    from dflash_pipeline.shared.manifest import mark_complete, new_manifest
-    from dflash_pipeline.shared.store import FeatureStore, StoreWriter
+    from dflash_pipeline.shared.store.manifest import mark_complete, new_manifest
+    from dflash_pipeline.shared.store.reader import FeatureStore
+    from dflash_pipeline.shared.store.writer import StoreWriter
 
     width = hidden.shape[1]
     offsets = np.cumsum([0] + lengths)

@@ -183,7 +183,7 @@ def bench_shape(b: int, mean: int, args, copy_bps: float, seed: int) -> dict:
         result["sweep"] = sweep
         if ok:
             result["best"] = min(ok, key=lambda s: s["us"])
-    del pools
+    pools.clear()  # free the K/V pools before the next shape
     torch.cuda.empty_cache()
     return result
 

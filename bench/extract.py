@@ -31,12 +31,18 @@ import numpy as np
 import torch
 
 from bench import emit
-from dflash_pipeline.data.tokenize import TokenizedSample
+from dflash_pipeline.data.tokens import TokenizedSample
 from dflash_pipeline.extract.plan import padded_fraction, plan_batches
-from dflash_pipeline.extract.target import HiddenStateCapture, compile_decoder_layers, decoder_layers, drop_unused_modules
 from dflash_pipeline.extract.worker import BatchRunner, run_batches
-from dflash_pipeline.shared.drafter import default_target_layer_ids
-from dflash_pipeline.shared.store import DEFAULT_COMPRESSION, WRITE_STREAMS, StoreWriter
+from dflash_pipeline.shared.model.config import default_target_layer_ids
+from dflash_pipeline.shared.store.codec import DEFAULT_COMPRESSION
+from dflash_pipeline.shared.store.writer import WRITE_STREAMS, StoreWriter
+from dflash_pipeline.shared.target.loading import (
+    HiddenStateCapture,
+    compile_decoder_layers,
+    decoder_layers,
+    drop_unused_modules,
+)
 
 
 def qwen3_8b_config(num_layers: int):
@@ -226,7 +232,7 @@ def main() -> None:
     for compiled in ([] if args.skip_eager else [False]) + ([] if args.no_compile else [True]):
         key = "forward_only_compiled" if compiled else "forward_only"
         if compiled:
-            from dflash_pipeline.shared.attention import CompileCounter
+            from dflash_pipeline.shared.model.attention import CompileCounter
 
             compile_decoder_layers(model)
             with CompileCounter() as counter:

@@ -59,7 +59,7 @@ def untrained_copy(trained: Path, out: Path, seed: int = 1) -> Path:
     """A drafter of the trained one's exact config with fresh random weights."""
     import torch
 
-    from dflash_pipeline.shared.drafter import DFlashDrafter
+    from dflash_pipeline.shared.model.drafter import DFlashDrafter
 
     config = DFlashDrafter.from_pretrained(trained).config
     torch.manual_seed(seed)
@@ -140,7 +140,7 @@ def main() -> None:
             "--dtype", "float32", "--json", str(path)])
         reports[name] = json.loads(path.read_text())
     t3 = time.perf_counter()
-    metrics = [json.loads(l) for l in (out / "train" / "metrics.jsonl").read_text().splitlines() if l]
+    metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines() if line]
     manifest = json.loads((out / "store" / "manifest.json").read_text())
     result = {
         "target": "SmolLM2-135M-Instruct", "device": args.device, "train_conversations": args.train_prompts,

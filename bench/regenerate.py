@@ -87,8 +87,8 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     if args.target:
-        from dflash_pipeline.extract.assets import load_tokenizer
-        from dflash_pipeline.extract.target import load_full_target
+        from dflash_pipeline.shared.target.assets import load_tokenizer
+        from dflash_pipeline.shared.target.loading import load_full_target
 
         model = load_full_target(args.target, device=device, dtype=dtype)
         tokenizer = load_tokenizer(args.target)
@@ -104,8 +104,9 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         what = f"Qwen3-8B shape, random {dtype_name(dtype)} weights"
         return model, allowed, QWEN3_IM_END_ID, what
     else:
-        from dflash_pipeline.data.tiny_target import build_tiny_target
         from transformers import AutoTokenizer
+
+        from dflash_pipeline.data.tiny_target import build_tiny_target
 
         with tempfile.TemporaryDirectory() as tmp:
             build_tiny_target(tmp)
@@ -128,12 +129,14 @@ def model_bytes(model) -> dict:
     """Parameter bytes (a tied embedding counted once) and the part a decode step reads: all but the
     input embedding table, of which a step only gathers one row per sequence (a tied table is the LM
     head too, read whole, so it stays)."""
+    from dflash_pipeline.shared.target.loading import text_config
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() dedups tied weights
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
     emb_bytes = emb.numel() * emb.element_size()
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     itemsize = next(model.parameters()).element_size()
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
@@ -528,14 +531,14 @@ def main(argv=None) -> dict:
     for batch in args.batch:
         for sampled in [False, True] if args.sampled else [False]:
             row = attempt(f"engine batch {batch}{' sampled' if sampled else ''}",
-                          lambda: run_engine(model, prompts, lengths, batch, sampled, args, device))
+                          lambda batch=batch, sampled=sampled: run_engine(model, prompts, lengths, batch, sampled, args, device))
             if row:
                 print(f"engine batch {batch} {row['sampling']}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
                 result["engine"].append(row)
     for batch in args.baseline_batch:
         n = min(len(prompts), args.baseline_requests or max(64, batch))
         row = attempt(f"hf_generate batch {batch}",
-                      lambda: run_hf(model, prompts, lengths, batch, n, args.baseline_max_new_tokens, eos, device))
+                      lambda batch=batch, n=n: run_hf(model, prompts, lengths, batch, n, args.baseline_max_new_tokens, eos, device))
         if row:
             print(f"hf_generate batch {batch}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
             result["hf_generate"].append(row)

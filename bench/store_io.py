@@ -1,7 +1,7 @@
 """Store write and read throughput: the store's own shard path against zarr's, in the same run.
 
 Writes the same bf16 rows (random normal values, Qwen3-8B width by default) through `StoreWriter`
-(whole shards encoded by `shared/shard_io.py`, crash-safe commits and fsyncs included) and, as the
+(whole shards encoded by `shared/store/shard_io.py`, crash-safe commits and fsyncs included) and, as the
 baseline, through zarr's own `array[a:b] = rows` on an identically configured array (the writer's
 previous path). Reads: `FeatureStore.read_tokens` over sample-sized spans against zarr slicing of the
 same files. Both paths produce the same bytes (tests/test_shard_io.py), so only speed differs.
@@ -22,8 +22,11 @@ import numpy as np
 import zarr
 
 from bench import emit
-from dflash_pipeline.shared.manifest import mark_complete, new_manifest
-from dflash_pipeline.shared.store import FeatureStore, StoreWriter, finished_shards, rank_group_name
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.store.manifest import mark_complete, new_manifest
+from dflash_pipeline.shared.store.progress import finished_shards
+from dflash_pipeline.shared.store.reader import FeatureStore
+from dflash_pipeline.shared.store.writer import StoreWriter
 
 
 def _rows(tokens: int, width: int) -> np.ndarray:
@@ -50,7 +53,7 @@ def write_store(root: Path, hidden: np.ndarray, codec: str, sample_tokens: int) 
 def zarr_write(root: Path, hidden: np.ndarray, shard_tokens: int) -> float:
     """Seconds for zarr's own path to write the same rows, shard by shard, into a copy of the
     store's hidden_states array (same metadata), and fsync the files (the writer's commits need it)."""
-    template = root / rank_group_name(0) / "hidden_states"
+    template = StoreLayout(root).rank_group(0) / "hidden_states"
     copy = root.parent / (root.name + "-zarr")
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(template, copy, ignore=shutil.ignore_patterns("c"))
@@ -74,7 +77,7 @@ def read_spans(root: Path, sample_tokens: int) -> tuple[float, float]:
     for shard, a, b in spans:
         store.read_raw(shard, a, b)
     ours = time.perf_counter() - t0
-    array = zarr.open_array(root / rank_group_name(0) / "hidden_states", mode="r")
+    array = zarr.open_array(StoreLayout(root).rank_group(0) / "hidden_states", mode="r")
     t0 = time.perf_counter()
     for _, a, b in spans:
         array[a:b]
@@ -105,7 +108,7 @@ def main() -> None:
         shard_tokens = FeatureStore(root).manifest.shard_tokens
         zarr_w = zarr_write(root, hidden, shard_tokens)
         ours_r, zarr_r = read_spans(root, args.sample_tokens)
-        stored = sum(f.stat().st_size for f in (root / rank_group_name(0) / "hidden_states").rglob("*") if f.is_file())
+        stored = sum(f.stat().st_size for f in (StoreLayout(root).rank_group(0) / "hidden_states").rglob("*") if f.is_file())
         row = {"ratio": hidden.nbytes / stored,
                "write_gbps": gb / ours_w, "zarr_write_gbps": gb / zarr_w, "write_speedup": zarr_w / ours_w,
                "read_gbps": gb / ours_r, "zarr_read_gbps": gb / zarr_r, "read_speedup": zarr_r / ours_r}

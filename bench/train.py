@@ -26,8 +26,10 @@ import torch
 
 from bench import emit
 from bench.extract import matmul_tflops, qwen3_8b_config
-from dflash_pipeline.shared.blocks import default_gamma
-from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
+from dflash_pipeline.shared.model.config import DFlashConfig
+from dflash_pipeline.shared.model.drafter import DFlashDrafter
+from dflash_pipeline.shared.model.loss import default_gamma
+from dflash_pipeline.shared.model.target_head import TargetHead
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan
 from dflash_pipeline.train.step import pack_loss, to_device
 
@@ -36,7 +38,7 @@ S, N, B = 4096, 256, 16
 
 def synthetic_batch(width: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """One pack of four documents with dense anchors, built by the trainer's own code."""
-    from dflash_pipeline.shared.blocks import build_blocks, sample_anchors
+    from dflash_pipeline.shared.model.blocks import build_blocks, sample_anchors
 
     g = torch.Generator().manual_seed(seed)
     doc = torch.empty(S, dtype=torch.long)
@@ -74,7 +76,7 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> fl
 
     def one():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss_sum, weight, _ = pack_loss(model, head, batch, backend, gamma)
+            loss_sum, weight, _ = pack_loss(model, head, batch, gamma)
         (loss_sum / weight).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -91,8 +93,8 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> fl
 
 def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: int, compression: str | None = None) -> None:
     """A complete on-disk store of random features, written by the real writer and manifest code."""
-    from dflash_pipeline.shared import manifest as mf
-    from dflash_pipeline.shared.store import StoreWriter
+    from dflash_pipeline.shared.store import manifest as mf
+    from dflash_pipeline.shared.store.writer import StoreWriter
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(mean_len // 2, mean_len * 3 // 2, samples)
@@ -157,7 +159,7 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
     grows with the worker count, the workers contend for something (memory bandwidth, cores, the disk)."""
     from torch.utils.data import DataLoader
 
-    from dflash_pipeline.shared.store import FeatureStore
+    from dflash_pipeline.shared.store.reader import FeatureStore
     from dflash_pipeline.train.feed import device_batches
 
     plan = one_pack_steps(FeatureStore(root))
@@ -235,7 +237,7 @@ def build_profile(root: Path, packs: int = 6, top: int = 8) -> list[tuple[str, f
     import cProfile
     import pstats
 
-    from dflash_pipeline.shared.store import FeatureStore
+    from dflash_pipeline.shared.store.reader import FeatureStore
     from dflash_pipeline.train.dataset import build_batch
 
     store = FeatureStore(root)
@@ -255,7 +257,7 @@ def build_profile(root: Path, packs: int = 6, top: int = 8) -> list[tuple[str, f
 def attention_only(cfg: DFlashConfig, batch: dict[str, torch.Tensor], iters: int = 20) -> dict[str, float]:
     """Forward + backward of one attention call at the drafter's shapes and this batch's mask:
     compiled flex with its BlockMask against SDPA with the same rule as a dense bool mask."""
-    from dflash_pipeline.shared import attention as attn
+    from dflash_pipeline.shared.model import attention as attn
 
     mask_args = [batch[k] for k in ("anchor_pos", "block_doc", "block_valid", "context_doc")]
     block_mask = attn.build_block_mask(*mask_args, B, device="cuda")
@@ -309,7 +311,7 @@ def main() -> None:
     flops = step_flops(cfg, batch)
     result = {"drafter_layers": args.layers, "pack_tokens": S, "blocks": N, "block_size": B,
               "matmul_tflops": peak, "step_tflop": flops / 1e12}
-    from dflash_pipeline.shared.attention import CompileCounter
+    from dflash_pipeline.shared.model.attention import CompileCounter
 
     backends = [] if args.loader_only else ["flex_compiled", "sdpa_dense"] + ([] if args.skip_eager else ["flex_eager"])
     for backend in backends:

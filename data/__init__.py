@@ -8,7 +8,7 @@ from .errors import DataError
 from .fingerprint import data_fingerprint, tokenizer_fingerprint
 from .locations import load_sharegpt_package_path, sample_corpus_path
 from .records import ReadStats, Record, data_files, iter_records
-from .tokenize import TokenizedSample, tokenize_record, tokenize_records
+from .tokens import TokenizedSample, tokenize_record, tokenize_records
 
 __all__ = [
     "DataError", "ReadStats", "Record", "TokenizedSample", "data_files", "data_fingerprint",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash_pipeline.shared.errors import UserError
+from dflash_pipeline.shared.runtime.errors import UserError
 
 
 class DataError(UserError, ValueError):

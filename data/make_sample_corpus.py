@@ -5,8 +5,6 @@ some system prompts and a few 2-3 turn dialogs. Replies are formulaic on purpose
 learn them, so a drafter trained against it has something to predict.
 
     python -m dflash_pipeline.data.make_sample_corpus [--out-dir DIR]
-
-(run it as a module: ``data/`` holds a ``tokenize.py`` that must not shadow the standard library's.)
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def run_step(step: str, args: list[str]) -> None:
 def main(out: str, steps: int) -> None:
     """Run extract -> train on the tiny default and summarise."""
     from dflash_pipeline.data.tiny_target import build_tiny_target
-    from dflash_pipeline.shared.store import FeatureStore
+    from dflash_pipeline.shared.store.reader import FeatureStore
 
     root = Path(out)
     started = time.perf_counter()
@@ -72,7 +72,7 @@ def main(out: str, steps: int) -> None:
     spec = json.loads(evaluation.read_text())
     sampled = json.loads(sampled_evaluation.read_text())
     fs = FeatureStore(store)
-    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
     losses = [r["loss"] for r in records if "loss" in r]
     taus = [r["tau"] for r in records if r.get("type") == "eval"]
     size = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())

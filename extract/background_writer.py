@@ -14,9 +14,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from dflash_pipeline.shared.store import StoreWriter
+from dflash_pipeline.shared.store.writer import StoreWriter
 
 _STOP = object()
 
@@ -61,7 +62,7 @@ class BackgroundWriter:
             self._thread.join()
         self._raise_if_failed()
 
-    def __enter__(self) -> "BackgroundWriter":
+    def __enter__(self) -> BackgroundWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

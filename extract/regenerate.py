@@ -31,9 +31,9 @@ from dflash_pipeline.data.chat import generation_prompt_ids, stop_token_ids
 from dflash_pipeline.data.records import Record
 from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
 from dflash_pipeline.shared.generation.sampling import SamplingParams, request_key
-from dflash_pipeline.shared.progress import progress_bar
+from dflash_pipeline.shared.runtime.config import ConfigError, check_options, option
+from dflash_pipeline.shared.runtime.progress import progress_bar
 
-REGENERATED_DIR = "regenerated"
 FSYNC_INTERVAL_S = 2.0
 
 
@@ -42,20 +42,20 @@ class RegenerateSettings:
     """What decides the replies; recorded in the manifest and the data fingerprint. How fast they are
     made (the engine's batch size) is not among them: it does not change a reply."""
 
-    max_new_tokens: int = 512
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
-    seed: int = 0
-    samples_per_prompt: int = 1
+    max_new_tokens: int = option(512, range=(1, None), help="--regenerate: reply length limit.")
+    temperature: float = option(0.0, range=(0, None), help="--regenerate: 0 = greedy, else sampled.")
+    top_p: float = option(1.0, range=(0, 1), min_open=True, help="--regenerate: nucleus sampling.")
+    top_k: int = option(0, range=(0, None), help="--regenerate: sample among the k likeliest tokens (0: all).")
+    seed: int = option(0, help="--regenerate: sampling seed.")
+    samples_per_prompt: int = option(
+        1, range=(1, None),
+        help="--regenerate: replies per conversation, each stored as its own sample (needs --temperature > 0).")
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.samples_per_prompt < 1:
-            raise ValueError("regenerate: max_new_tokens and samples_per_prompt must be positive")
-        self.sampling  # validates temperature, top_p, top_k
+        check_options(self)
         if self.samples_per_prompt > 1 and self.temperature == 0:
-            raise ValueError("regenerate: --samples-per-prompt > 1 needs --temperature > 0 "
-                             "(greedy replies to one prompt are all the same)")
+            raise ConfigError("regenerate: --samples-per-prompt > 1 needs --temperature > 0 "
+                              "(greedy replies to one prompt are all the same)")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -91,10 +91,6 @@ class GenerationTiming:
 
     tokens: int = 0
     seconds: float = 0.0
-
-
-def cache_path(root: Path, rank: int) -> Path:
-    return Path(root) / REGENERATED_DIR / f"rank-{rank:05d}.jsonl"
 
 
 def read_cache(path: Path) -> dict[int, dict]:

@@ -20,19 +20,21 @@ import torch.distributed as dist
 
 from dflash_pipeline.data import data_fingerprint, tokenizer_fingerprint
 from dflash_pipeline.data.records import ReadStats, iter_records
-from dflash_pipeline.extract.assets import load_tokenizer, weights_fingerprint
 from dflash_pipeline.extract.config import ExtractConfig
-from dflash_pipeline.extract.target import config_hash, load_target_config, parse_layer_ids, text_config
 from dflash_pipeline.extract.worker import RankSummary, run_rank
-from dflash_pipeline.shared import manifest as mf
-from dflash_pipeline.shared.cluster import Cluster, group_timeout, torchrun_refusal
-from dflash_pipeline.shared.device import gpus_on_cpu, pick_device
-from dflash_pipeline.shared.drafter import default_target_layer_ids
 from dflash_pipeline.shared.generation.decoder import check_supported_config
-from dflash_pipeline.shared.errors import UserError
-from dflash_pipeline.shared.launch import RankFailed, spawn_ranks
-from dflash_pipeline.shared.progress import progress_note
-from dflash_pipeline.shared.store import any_rank_committed
+from dflash_pipeline.shared.model.config import default_target_layer_ids
+from dflash_pipeline.shared.runtime.cluster import Cluster, group_timeout, torchrun_refusal
+from dflash_pipeline.shared.runtime.device import pick_device, resolve_devices
+from dflash_pipeline.shared.runtime.errors import UserError
+from dflash_pipeline.shared.runtime.launch import RankFailed, spawn_ranks
+from dflash_pipeline.shared.runtime.progress import progress_note
+from dflash_pipeline.shared.store import manifest as mf
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.store.progress import any_rank_committed
+from dflash_pipeline.shared.target.assets import load_tokenizer
+from dflash_pipeline.shared.target.identity import config_hash, weights_fingerprint
+from dflash_pipeline.shared.target.loading import load_target_config, parse_layer_ids, text_config
 
 RESUME_HINT = "rerun the same command to resume from the last committed batch"
 
@@ -82,20 +84,6 @@ class RunSummary:
             f"{r['kept']} records kept as they were, {r['reused']} reused from an earlier run",
             f"generation {rate}",
         ]
-
-
-def resolve_devices(cfg: ExtractConfig) -> ExtractConfig:
-    """Default GPUs: the first five visible (or all, if fewer); `auto` is CUDA when there is one."""
-    if refusal := gpus_on_cpu(cfg.gpus, cfg.device):
-        raise ExtractError(refusal)
-    cfg = replace(cfg, device=pick_device(cfg.device))
-    if cfg.device == "cuda" and not cfg.gpus:
-        return replace(cfg, gpus=tuple(range(min(5, torch.cuda.device_count()))))
-    if cfg.device == "cuda":
-        bad = [g for g in cfg.gpus if g >= torch.cuda.device_count()]
-        if bad:
-            raise ExtractError(f"--gpus: GPU {bad[0]} does not exist ({torch.cuda.device_count()} visible)")
-    return cfg
 
 
 def plan_identity(cfg: ExtractConfig, layer_ids: list[int], world_size: int) -> dict:
@@ -153,9 +141,7 @@ def holds_nothing(root: Path, existing: mf.Manifest) -> bool:
     """True when an earlier run into `root` left nothing worth keeping: not complete, no batch
     committed by any rank, no reply regenerated (e.g. it stopped at a malformed record before its
     first batch). Such a store is no conflict: a run with other settings may start it over."""
-    from dflash_pipeline.extract.regenerate import REGENERATED_DIR  # here: it loads the generation engine
-
-    replies = [f for f in (root / REGENERATED_DIR).glob("*") if f.is_file() and f.stat().st_size]
+    replies = [f for f in StoreLayout(root).regenerated_dir.glob("*") if f.is_file() and f.stat().st_size]
     return not existing.complete and not replies and not any_rank_committed(root)
 
 
@@ -190,9 +176,9 @@ def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]
         settings={"plan": plan_identity(cfg, layer_ids, world_size), "regenerate": cfg.regenerate},
         world_size=world_size,
     )
-    if (root / mf.MANIFEST_FILE).exists() and cfg.overwrite:
+    if StoreLayout(root).manifest.exists() and cfg.overwrite:
         shutil.rmtree(root)
-    if (root / mf.MANIFEST_FILE).exists():
+    if StoreLayout(root).manifest.exists():
         existing = mf.load_manifest(root)
         # Stores from before `target.location` was recorded: derive it from the path they were given.
         existing.target.setdefault("location", target_location(existing.target["name_or_path"]))
@@ -218,7 +204,7 @@ def seal_store(cfg: ExtractConfig, summaries: list[RankSummary]) -> None:
     root = Path(cfg.out)
     manifest = mf.load_manifest(root)
     shards = [
-        {"rank": s.rank, "path": f"shards/rank-{s.rank:05d}.zarr", "samples": s.samples, "tokens": s.tokens}
+        {"rank": s.rank, "path": StoreLayout.rank_group_name(s.rank), "samples": s.samples, "tokens": s.tokens}
         for s in sorted(summaries, key=lambda s: s.rank)
     ]
     mf.mark_complete(root, manifest, shards=shards, weights_fingerprint=weights_fingerprint(root),
@@ -314,7 +300,8 @@ def run_extraction(cfg: ExtractConfig) -> RunSummary | None:
     """Run stage one as configured; returns the summary (None on torchrun ranks other than 0)."""
     if under_torchrun():
         return run_torchrun(cfg)
-    cfg = resolve_devices(cfg)
+    device, gpus = resolve_devices(cfg.device, cfg.gpus, default_gpus=5)
+    cfg = replace(cfg, device=device, gpus=gpus)
     started = time.perf_counter()
     layer_ids, complete = prepare_store(cfg, cfg.world_size)
     if complete:

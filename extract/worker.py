@@ -19,20 +19,21 @@ import torch
 from tqdm import tqdm
 
 from dflash_pipeline.data.records import ReadStats, iter_records
-from dflash_pipeline.data.tokenize import TokenizedSample, tokenize_record
+from dflash_pipeline.data.tokens import TokenizedSample, tokenize_record
 from dflash_pipeline.extract.background_writer import BackgroundWriter
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.plan import owns, padded_fraction, plan_batches
-from dflash_pipeline.extract.target import (
+from dflash_pipeline.shared.runtime.durable import write_bytes_durably
+from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.store.writer import StoreWriter
+from dflash_pipeline.shared.target.loading import (
     HiddenStateCapture,
     compile_decoder_layers,
     drop_unused_modules,
     forward_hidden_states,
     load_truncated_target,
 )
-from dflash_pipeline.shared.durable import write_bytes_durably
-from dflash_pipeline.shared.progress import progress_bar, progress_note
-from dflash_pipeline.shared.store import StoreWriter
 
 
 @dataclass
@@ -91,9 +92,9 @@ def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, de
     """The owned records' samples with the target's own replies (`--regenerate`), as (sample index,
     record); the full target is loaded only while generating and freed before extraction loads its
     truncated copy."""
-    from dflash_pipeline.extract.regenerate import RegenerateSettings, cache_path, regenerate_records
-    from dflash_pipeline.extract.target import load_full_target
+    from dflash_pipeline.extract.regenerate import RegenerateSettings, regenerate_records
     from dflash_pipeline.shared.generation.engine import EngineSettings
+    from dflash_pipeline.shared.target.loading import load_full_target
 
     loaded = []
 
@@ -105,7 +106,7 @@ def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, de
     engine = EngineSettings(max_batch=cfg.gen_batch_size or (512 if device.type == "cuda" else 16))
     regenerated, stats, timing = regenerate_records(
         records, load_model, tokenizer, settings, max_length=cfg.max_length,
-        cache=cache_path(Path(cfg.out), rank), rank=rank, engine=engine, template_kwargs=cfg.chat_template_kwargs)
+        cache=StoreLayout(cfg.out).regenerated_file(rank), rank=rank, engine=engine, template_kwargs=cfg.chat_template_kwargs)
     summary.regenerated = stats.to_dict()
     summary.generated_tokens, summary.generate_seconds = timing.tokens, timing.seconds
     loaded.clear()
@@ -209,8 +210,8 @@ def run_batches(runner: BatchRunner, samples: list[TokenizedSample], batches: li
 
 def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.device, layer_ids: list[int]) -> RankSummary:
     """Extract this rank's share into its store shard; resumes from the last committed batch."""
-    from dflash_pipeline.extract.assets import export_target_assets, load_tokenizer, target_assets_ready
-    from dflash_pipeline.extract.target import load_target_config, text_config
+    from dflash_pipeline.shared.target.assets import export_target_assets, load_tokenizer, target_assets_ready
+    from dflash_pipeline.shared.target.loading import load_target_config, text_config
 
     started = time.perf_counter()
     root = Path(cfg.out)
@@ -272,4 +273,4 @@ RUN_TIMES = ("seconds", "writer_wait_s", "generate_seconds")
 
 def write_rank_summary(root: Path, summary: RankSummary) -> None:
     record = {k: v for k, v in summary.to_dict().items() if k not in RUN_TIMES}
-    write_bytes_durably(root / "shards" / f"rank-{summary.rank:05d}.summary.json", json.dumps(record, indent=1).encode())
+    write_bytes_durably(StoreLayout(root).summary_file(summary.rank), json.dumps(record, indent=1).encode())

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from dflash_pipeline.shared import attention as A
-from dflash_pipeline.shared.blocks import build_blocks
+from dflash_pipeline.shared.model import attention as A
+from dflash_pipeline.shared.model.blocks import build_blocks
 
 T, F_ = True, False
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_store import LAYOUT, make_batch, write_manifest_for, write_store
 
 from dflash_pipeline.extract.background_writer import BackgroundWriter
-from dflash_pipeline.shared.store import StoreWriter, stores_equal
-from test_store import LAYOUT, make_batch, write_manifest_for, write_store
+from dflash_pipeline.shared.store.reader import stores_equal
+from dflash_pipeline.shared.store.writer import StoreWriter
 
 
 def test_background_appends_give_the_synchronous_store(tmp_path):

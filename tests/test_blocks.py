@@ -6,16 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_pipeline.shared.blocks import (
-    IGNORE_INDEX,
+from dflash_pipeline.shared.model.blocks import IGNORE_INDEX, anchor_candidates, build_blocks, sample_anchors
+from dflash_pipeline.shared.model.loss import (
     acceptance_length,
-    anchor_candidates,
-    build_blocks,
     compute_logits,
     default_gamma,
     dflash_loss,
     loss_weights,
-    sample_anchors,
 )
 
 X = IGNORE_INDEX

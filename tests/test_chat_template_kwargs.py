@@ -10,17 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from test_data_tokens import QWEN3_STYLE_TEMPLATE
 from transformers import AutoTokenizer
 
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.data.chat import generation_prompt_ids
 from dflash_pipeline.data.records import Record, iter_records
-from dflash_pipeline.data.tokenize import tokenize_record
+from dflash_pipeline.data.tokens import tokenize_record
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import ExtractError, prepare_store, run_extraction
-from dflash_pipeline.shared.manifest import MANIFEST_FILE, load_manifest
-from dflash_pipeline.shared.store import FeatureStore
-from test_data_tokenize import QWEN3_STYLE_TEMPLATE
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.store.manifest import load_manifest
+from dflash_pipeline.shared.store.reader import FeatureStore
 
 # Qwen3's rendering of replies and generation prompt: a reply carries an (empty) think block before
 # its content, and enable_thinking=false writes that block into the generation prompt. Unlike the
@@ -113,7 +114,7 @@ def test_extraction_stores_the_kwargs_tokenization_and_refuses_other_kwargs(qwen
     data, out = small_corpus(tmp_path, 6), tmp_path / "store"
     run_extraction(config(qwen3_like_dir, data, out, NO_THINKING))
 
-    assert json.loads((out / MANIFEST_FILE).read_text())["data"]["chat_template_kwargs"] == NO_THINKING
+    assert json.loads(StoreLayout(out).manifest.read_text())["data"]["chat_template_kwargs"] == NO_THINKING
     records = list(iter_records(data))
     want = {r.index: tokenize_record(r, tok, 256, chat_template_kwargs=NO_THINKING) for r in records}
     store = FeatureStore(out)

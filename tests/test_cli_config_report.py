@@ -95,7 +95,7 @@ def test_report_of_a_malformed_metrics_line_is_one_line_naming_it(tmp_path, text
     result = CliRunner().invoke(main, ["--run", str(tmp_path)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output  # no traceback
     assert result.output.strip().splitlines() == [
-        next(l for l in result.output.splitlines() if l.startswith("dflash-report: error: "))]
+        next(line for line in result.output.splitlines() if line.startswith("dflash-report: error: "))]
     assert f"metrics.jsonl: line {line} is {what}" in result.output
     assert not (tmp_path / "report.png").exists()
 

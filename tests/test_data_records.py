@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.data import DataError, ReadStats, Record, iter_records, load_sharegpt_package_path
-from dflash_pipeline.data import readers
+from dflash_pipeline.data import DataError, ReadStats, Record, iter_records, load_sharegpt_package_path, readers
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "4."}]

@@ -7,9 +7,12 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, Qwen3Config
 
-from dflash_pipeline.shared import attention as A
-from dflash_pipeline.shared.blocks import build_blocks, compute_logits, sample_anchors
-from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, DrafterCache, TargetHead, default_target_layer_ids
+from dflash_pipeline.shared.model import attention as A
+from dflash_pipeline.shared.model.blocks import build_blocks, sample_anchors
+from dflash_pipeline.shared.model.config import DFlashConfig, default_target_layer_ids
+from dflash_pipeline.shared.model.drafter import DFlashDrafter, DrafterCache
+from dflash_pipeline.shared.model.loss import compute_logits
+from dflash_pipeline.shared.model.target_head import TargetHead
 
 H, LAYERS = 32, 2  # hidden size, target layers feeding the drafter
 

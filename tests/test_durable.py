@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.shared import durable
+from dflash_pipeline.shared.runtime import durable
 
 
 @pytest.fixture

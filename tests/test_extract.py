@@ -15,11 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.data.records import iter_records
-from dflash_pipeline.data.tokenize import tokenize_record
+from dflash_pipeline.data.tokens import tokenize_record
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import ExtractError, run_extraction
-from dflash_pipeline.shared.store import FeatureStore
-from dflash_pipeline.shared.manifest import load_manifest
+from dflash_pipeline.shared.store.manifest import load_manifest
+from dflash_pipeline.shared.store.reader import FeatureStore
 
 
 def small_corpus(tmp_path: Path, n: int) -> Path:
@@ -67,8 +67,8 @@ def test_stored_states_equal_hf_hidden_states(fixture, compiled, request, tmp_pa
 def test_compiled_layers_compile_once_for_all_layers_and_shapes(tiny_target_dir):
     """One graph serves every decoder layer and batch shape: a recompile per layer would soon hit
     dynamo's cache limit and silently fall back to eager."""
-    from dflash_pipeline.extract.target import HiddenStateCapture, compile_decoder_layers, forward_hidden_states
-    from dflash_pipeline.shared.attention import CompileCounter
+    from dflash_pipeline.shared.model.attention import CompileCounter
+    from dflash_pipeline.shared.target.loading import HiddenStateCapture, compile_decoder_layers, forward_hidden_states
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
     capture = HiddenStateCapture(model, [0, 1, 3])
@@ -131,7 +131,7 @@ def test_identical_runs_write_identical_bytes(tiny_target_dir, tmp_path):
 
 
 def test_truncated_model_skips_later_layers_and_head(tiny_target_dir):
-    from dflash_pipeline.extract.target import load_truncated_target, drop_unused_modules, decoder_layers
+    from dflash_pipeline.shared.target.loading import decoder_layers, drop_unused_modules, load_truncated_target
 
     model = load_truncated_target(tiny_target_dir, [0, 1], device=torch.device("cpu"), dtype=torch.float32)
     assert len(decoder_layers(model)) == 2
@@ -241,7 +241,8 @@ SMALL_PLAN_ARGS = ("--device", "cpu", *(a for k, v in SMALL_PLAN.items() for a i
 def interrupted_store(target: str, data: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store left incomplete with committed batches; paths are taken as typed, relative to the
     folder of `out`."""
-    from dflash_pipeline.shared.store import StoreWriter, any_rank_committed
+    from dflash_pipeline.shared.store.progress import any_rank_committed
+    from dflash_pipeline.shared.store.writer import StoreWriter
 
     def interrupt(self):
         self.flush_shards()  # commits the batches in whole shards, as a run killed later would have
@@ -256,7 +257,7 @@ def interrupted_store(target: str, data: str, out: Path, monkeypatch: pytest.Mon
 
 
 def test_data_and_target_spelled_otherwise_resume_and_equal_a_clean_run(tiny_target_dir, tmp_path, monkeypatch):
-    from dflash_pipeline.shared.store import stores_equal
+    from dflash_pipeline.shared.store.reader import stores_equal
 
     data = small_corpus(tmp_path, 6)
     (tmp_path / "model").symlink_to(tiny_target_dir)
@@ -299,14 +300,14 @@ def test_reading_tokenizing_and_loading_are_shown_before_the_first_batch(tiny_ta
 
 def test_other_settings_are_refused_while_regenerated_replies_would_be_lost(tiny_target_dir, tmp_path):
     """Regenerated replies are hours of work: a store holding some is not started over silently."""
-    from dflash_pipeline.extract.regenerate import cache_path
     from dflash_pipeline.extract.run import prepare_store
+    from dflash_pipeline.shared.store.layout import StoreLayout
 
     data, out = small_corpus(tmp_path, 2), tmp_path / "store"
     cfg = ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu")
     prepare_store(cfg, 1)
-    cache_path(out, 0).parent.mkdir()
-    cache_path(out, 0).write_text('{"index": 0, "messages": []}\n')  # as a run killed while generating leaves it
+    StoreLayout(out).regenerated_dir.mkdir()
+    StoreLayout(out).regenerated_file(0).write_text('{"index": 0, "messages": []}\n')  # as a run killed while generating leaves it
     with pytest.raises(ExtractError, match=f"{re.escape(str(out))}: holds a store made with other settings .*data.max_length"):
         prepare_store(ExtractConfig(**{**cfg.to_dict(), "max_length": 64}), 1)
 

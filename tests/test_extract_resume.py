@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.shared.manifest import load_manifest
-from dflash_pipeline.shared.store import stores_equal
+from dflash_pipeline.shared.store.manifest import load_manifest
+from dflash_pipeline.shared.store.reader import stores_equal
 
 pytestmark = pytest.mark.slow
 

@@ -34,7 +34,10 @@ def hf_greedy(model, request: Request, stops: list[int]) -> list[int]:
     return out[0, len(request.prompt):].tolist()
 
 
-def engine(model, max_batch: int, sampling: SamplingParams = SamplingParams(), stops=(), page_size: int = 4):
+GREEDY = SamplingParams()
+
+
+def engine(model, max_batch: int, sampling: SamplingParams = GREEDY, stops=(), page_size: int = 4):
     return GenerationEngine(model, stop_ids=stops, sampling=sampling,
                             settings=EngineSettings(max_batch=max_batch, max_request_tokens=80, page_size=page_size))
 

@@ -3,15 +3,13 @@ reply) never straddle train and held-out, on a real extracted store with repeate
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import run_extraction
-from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.holdout import prompt_groups, prompt_key
 from dflash_pipeline.train.packing import split_holdout
 

@@ -16,9 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_pipeline.data import sample_corpus_path
-from dflash_pipeline.shared.launch import free_port
-from dflash_pipeline.shared.manifest import load_manifest
-from dflash_pipeline.shared.store import stores_equal
+from dflash_pipeline.shared.runtime.launch import free_port
+from dflash_pipeline.shared.store.manifest import load_manifest
+from dflash_pipeline.shared.store.reader import stores_equal
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 EXTRACT_ARGS = ["--max-length", "96", "--batch-tokens", "96", "--max-batch-size", "2", "--chunk-tokens", "16",
@@ -130,7 +130,7 @@ def test_two_nodes_extract_and_train_like_spawned_runs(tiny_target_dir, small_co
     results = finish(start_nodes("dflash_pipeline.train.cli", tmp_path / "logs-train", ["--store", str(store), "--out", str(run), *TRAIN_ARGS]))
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
     assert (run / "drafter" / "model.safetensors").read_bytes() == (spawned / "drafter" / "model.safetensors").read_bytes()
-    losses = [[json.loads(l).get("loss") for l in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, spawned)]
+    losses = [[json.loads(line).get("loss") for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, spawned)]
     assert losses[0] == losses[1] and len(losses[0]) >= 4
 
 
@@ -226,8 +226,8 @@ def meet_after(rank: int, world: int, port: int, fail_rank: int) -> str:
 
     import torch.distributed as dist
 
-    from dflash_pipeline.shared.cluster import Cluster, ClusterError
-    from dflash_pipeline.shared.errors import UserError
+    from dflash_pipeline.shared.runtime.cluster import Cluster, ClusterError
+    from dflash_pipeline.shared.runtime.errors import UserError
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -253,7 +253,7 @@ def test_a_rank_that_stopped_with_an_error_ends_the_meeting_at_once():
 
     import torch.distributed as dist
 
-    from dflash_pipeline.shared.launch import spawn_ranks
+    from dflash_pipeline.shared.runtime.launch import spawn_ranks
 
     for world, fail_rank, want in [(3, 2, ["rank 2 stopped with an error (see its output); hint"] * 2 + ["failed"]),
                                    (2, -1, ["met", "met"])]:

@@ -6,7 +6,7 @@ import sys
 import pytest
 import tqdm.std
 
-from dflash_pipeline.shared.progress import LOG_INTERVAL_S, progress_bar
+from dflash_pipeline.shared.runtime.progress import LOG_INTERVAL_S, progress_bar
 
 
 class Stream(io.StringIO):

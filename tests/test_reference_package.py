@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from dflash_pipeline.data.chat import stop_token_ids
-from dflash_pipeline.extract.target import HiddenStateCapture, load_full_target
-from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, DrafterCache, default_target_layer_ids
-from dflash_pipeline.shared.speculative import dflash_generate
+from dflash_pipeline.shared.generation.speculative import dflash_generate
+from dflash_pipeline.shared.model.config import DFlashConfig, default_target_layer_ids
+from dflash_pipeline.shared.model.drafter import DFlashDrafter, DrafterCache
+from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target
 
 ref = pytest.importorskip("dflash.model", reason="the DFlash reference package (`dflash`, in the test extra) is not installed")
 

@@ -18,16 +18,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_pipeline.data.chat import stop_token_ids
 from dflash_pipeline.data.records import Record, iter_records
-from dflash_pipeline.data.tokenize import tokenize_record
+from dflash_pipeline.data.tokens import tokenize_record
 from dflash_pipeline.extract.config import ExtractConfig
-from dflash_pipeline.extract.regenerate import RegenerateSettings, cache_path, read_cache, regenerate_records
+from dflash_pipeline.extract.regenerate import RegenerateSettings, read_cache, regenerate_records
 from dflash_pipeline.extract.run import run_extraction
 from dflash_pipeline.shared.generation.engine import EngineSettings
-from dflash_pipeline.shared.manifest import load_manifest
-from dflash_pipeline.shared.speculative import target_generate
-from dflash_pipeline.shared.store import FeatureStore, stores_equal
-from dflash_pipeline.train.holdout import prompt_groups
-from dflash_pipeline.train.packing import split_holdout
+from dflash_pipeline.shared.generation.speculative import target_generate
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.store.manifest import load_manifest
+from dflash_pipeline.shared.store.reader import FeatureStore, stores_equal
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is a mole?"}, {"role": "assistant", "content": "An animal."}],
@@ -150,7 +149,7 @@ def test_extract_with_regenerate_stores_prompt_plus_generated_reply(tiny_target_
     assert summary.regenerated["conversations"] == 9
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
-    cached = {**read_cache(cache_path(out, 0)), **read_cache(cache_path(out, 1))}
+    cached = {**read_cache(StoreLayout(out).regenerated_file(0)), **read_cache(StoreLayout(out).regenerated_file(1))}
     assert sorted(cached) == list(range(9))
     store = FeatureStore(out)
     originals = {r.index: r for r in iter_records(data)}

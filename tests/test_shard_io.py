@@ -10,8 +10,8 @@ import pytest
 import zarr
 import zarr.codecs
 
-from dflash_pipeline.shared.shard_io import ShardedArrayReader, ShardFormat, ShardFormatError, write_shards
-from dflash_pipeline.shared.store import parse_compression
+from dflash_pipeline.shared.store.codec import parse_compression
+from dflash_pipeline.shared.store.shard_io import ShardedArrayReader, ShardFormat, ShardFormatError, write_shards
 
 CODECS = ["none", "zstd:1", "blosc-lz4:5:bitshuffle"]
 ROWS, WIDTH, CHUNK, SHARD = 600, 24, 64, 256  # last shard: 88 rows = one whole chunk, one partial, two absent

@@ -15,10 +15,11 @@ import torch
 from click.testing import CliRunner
 
 from dflash_pipeline.data.chat import stop_token_ids
-from dflash_pipeline.extract.target import HiddenStateCapture, load_full_target
-from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter
 from dflash_pipeline.shared.generation.sampling import SamplingParams, filtered_probs
-from dflash_pipeline.shared.speculative import Generation, dflash_generate, target_generate
+from dflash_pipeline.shared.generation.speculative import Generation, dflash_generate, target_generate
+from dflash_pipeline.shared.model.config import DFlashConfig
+from dflash_pipeline.shared.model.drafter import DFlashDrafter
+from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target
 
 B = 8
 
@@ -162,8 +163,8 @@ def test_counts_stop_at_the_stop_token_like_the_reference(target, tiny_tokenizer
 def online_and_training_logits(target, drafter, prompt: torch.Tensor, backend: str, autocast, monkeypatch):
     """(logits of every block drafted online, [blocks, B-1, V] logits of the training path for the same
     anchors of the final sequence: build_blocks + `backend` attention + stored-style features)."""
-    from dflash_pipeline.shared.blocks import build_blocks
-    from dflash_pipeline.shared.drafter import TargetHead
+    from dflash_pipeline.shared.model.blocks import build_blocks
+    from dflash_pipeline.shared.model.target_head import TargetHead
     from dflash_pipeline.train.step import drafter_hidden
 
     lm_head = target.get_output_embeddings().weight
@@ -196,7 +197,7 @@ def online_and_training_logits(target, drafter, prompt: torch.Tensor, backend: s
     head = TargetHead(target.get_input_embeddings().weight, lm_head)
     drafter.attention_backend = backend
     with torch.no_grad(), autocast:
-        hidden = drafter_hidden(drafter, head, batch, backend)
+        hidden = drafter_hidden(drafter, head, batch)
     offline = compute(hidden.float(), lm_head).reshape(len(anchors), B, -1)[:, 1:]
     # near max_new_tokens blocks draft only what is left, so training has no blocks like them
     full = sum(len(logits) == B - 1 for logits in online)
@@ -211,7 +212,7 @@ def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny
     online, offline = online_and_training_logits(target, random_drafter(target, seed=3), prompts(tiny_tokenizer, 1)[0],
                                                  "sdpa_dense", torch.autocast("cpu", enabled=False), monkeypatch)
     for k, logits in enumerate(online):
-        torch.testing.assert_close(logits, offline[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"block {k}: {m}")
+        torch.testing.assert_close(logits, offline[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"block {k}: {m}")
 
 
 @pytest.mark.gpu

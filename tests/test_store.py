@@ -21,8 +21,18 @@ import pytest
 import torch
 import zarr
 
-from dflash_pipeline.shared.manifest import StoreError, StoreIncomplete, StoreMismatch, mark_complete, new_manifest, write_manifest
-from dflash_pipeline.shared.store import FeatureStore, StoreWriter, finished_shards, parse_compression, stores_equal
+from dflash_pipeline.shared.store.codec import parse_compression
+from dflash_pipeline.shared.store.manifest import (
+    StoreError,
+    StoreIncomplete,
+    StoreMismatch,
+    mark_complete,
+    new_manifest,
+    write_manifest,
+)
+from dflash_pipeline.shared.store.progress import finished_shards
+from dflash_pipeline.shared.store.reader import FeatureStore, stores_equal
+from dflash_pipeline.shared.store.writer import StoreWriter
 
 W = 12  # hidden width: 2 layers x hidden 6
 LAYOUT = dict(hidden_width=W, capacity_tokens=4000, capacity_samples=400, chunk_tokens=8, shard_tokens=32)
@@ -362,7 +372,8 @@ def _child(root: str, kill_point: str | None, nth: int) -> None:
 
 
 def _arm(point: str, nth: int, root: Path) -> None:
-    from dflash_pipeline.shared import durable, shard_io, store
+    from dflash_pipeline.shared.runtime import durable
+    from dflash_pipeline.shared.store import shard_io, writer
 
     hits = [0]
 
@@ -381,7 +392,7 @@ def _arm(point: str, nth: int, root: Path) -> None:
 
         setattr(obj, name, wrapped)
 
-    W_ = store.StoreWriter
+    W_ = writer.StoreWriter
     if point == "after-shards-before-offsets":
         before(W_, "_write_sample_arrays")
     elif point == "before-progress":

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash_pipeline.shared.manifest import (
+from dflash_pipeline.shared.store.manifest import (
     Manifest,
     ManifestError,
     ShardEntry,

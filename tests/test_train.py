@@ -18,8 +18,8 @@ import torch
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import run_extraction
-from dflash_pipeline.shared.launch import free_port, spawn_ranks
-from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.shared.runtime.launch import free_port, spawn_ranks
+from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, batch_layout, build_batch, build_pack
 from dflash_pipeline.train.feed import SlotLayout, SlotRing, device_batches, slots_needed
@@ -54,17 +54,18 @@ def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None
     init_distributed(rank, world, device, init)
     try:
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         from dflash_pipeline.train.loop import all_sum
 
         store = FeatureStore(cfg.store)
         model, head = build_model(cfg, store, device)
         ddp = DDP(model) if world > 1 else model
         lengths = np.asarray(store.lengths)
-        spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, 512)
+        spec = PackSpec.for_drafter(model.config, cfg.pack_tokens, cfg.num_blocks, 512)
         per_rank = 2 // world
         packs = rank_slice(plan_packs(np.arange(len(store)), lengths, cfg.pack_tokens, 0, 0), rank, world, per_rank)
         batch = build_batch(store, packs[:per_rank], spec, 0, 0)
-        loss_sum, weight, _ = pack_loss(ddp, head, batch, "sdpa_dense", 4.0)
+        loss_sum, weight, _ = pack_loss(ddp, head, batch, 4.0)
         global_weight, = all_sum([float(weight)], device)
         (loss_sum * (world / global_weight)).backward()
         return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
@@ -165,8 +166,8 @@ def test_a_slot_item_sends_only_its_number(store_dir):
     store = FeatureStore(store_dir)
     plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=2, rank=0, world=1, packs_per_step=2)
     spec = PackSpec(256, 16, 8, 0, 512)
-    dataset = StepDataset(str(store_dir), plan, spec)
-    dataset.slots = SlotRing(3, SlotLayout.of(batch_layout(spec, 2, store.hidden_width, store.hidden_dtype)), pin=False)
+    ring = SlotRing(3, SlotLayout.of(batch_layout(spec, 2, store.hidden_width, store.hidden_dtype)), pin=False)
+    dataset = StepDataset(str(store_dir), plan, spec, slots=ring)
     dataset.slots.buffers[1].fill_(0xFF)  # stale bytes: every one of them must be overwritten
     assert dataset[(0, 1, 1)] == (0, 1, {"slot": 1})
     want = build_batch(store, plan.epoch_packs(0)[2:4], spec, 2, 0)
@@ -255,13 +256,14 @@ def test_training_reduces_loss_and_reports_acceptance(store_dir, tmp_path):
     got = losses(tmp_path / "run")
     assert got[25] < got[1]
     assert result.eval_tau is not None and result.eval_tau >= 1.0
-    evals = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert evals and evals[-1]["tau"] == pytest.approx(result.eval_tau)
 
 
 def test_refuses_incomplete_store(store_dir, tmp_path):
     import shutil
-    from dflash_pipeline.shared.manifest import StoreIncomplete, load_manifest, write_manifest
+
+    from dflash_pipeline.shared.store.manifest import StoreIncomplete, load_manifest, write_manifest
 
     broken = tmp_path / "broken"
     shutil.copytree(store_dir, broken)
@@ -273,7 +275,7 @@ def test_refuses_incomplete_store(store_dir, tmp_path):
 
 
 def test_refuses_store_of_another_target(store_dir, tiny_llama_dir, tmp_path):
-    from dflash_pipeline.train.target_identity import TargetMismatch
+    from dflash_pipeline.shared.target.identity import TargetMismatch
 
     with pytest.raises(TargetMismatch, match="config hash"):
         run_training(base_config(store_dir, tmp_path / "run", target=str(tiny_llama_dir)))
@@ -289,6 +291,7 @@ def test_refuses_block_larger_than_samples(store_dir, tmp_path):
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(store_dir, tmp_path):
     """Inf activations in the store make the loss NaN: training stops with a clear message."""
     import shutil
+
     import zarr
 
     poisoned = tmp_path / "poisoned"
@@ -337,6 +340,7 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     import copy
     import random
     import shutil
+
     from safetensors.torch import load_file
 
     from dflash_pipeline.train import checkpoint as ckpt
@@ -390,8 +394,8 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     shutil.rmtree(crashed / "checkpoints" / "step-00000006")
     (crashed / "checkpoints" / "latest").write_text("step-00000004")
     lines = (crashed / "metrics.jsonl").read_text().splitlines()
-    before_crash = [l for l in lines if json.loads(l)["step"] <= 5]
-    (crashed / "metrics.jsonl").write_text("".join(l + "\n" for l in before_crash) + '{"step": 6, "epoch": 0, "lo')
+    before_crash = [line for line in lines if json.loads(line)["step"] <= 5]
+    (crashed / "metrics.jsonl").write_text("".join(line + "\n" for line in before_crash) + '{"step": 6, "epoch": 0, "lo')
     result = run_training(replace(cfg, out=str(crashed), resume=True))
 
     assert_same_bits(restored["all"], saved[4][:4], "restored")
@@ -399,8 +403,11 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     assert schedules[0][3] == (epoch, step_in_epoch - 1)  # the position is that of the 4th step done...
     assert schedules[1] == schedules[0][4:6]  # ...and the resumed run goes on with the 5th
     assert f"metrics.jsonl: line {len(before_crash) + 1} is cut short" in capsys.readouterr().err
-    metric = lambda run: [{k: v for k, v in json.loads(l).items() if k != "tokens_per_s"}
-                          for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def metric(run: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+                for line in (run / "metrics.jsonl").read_text().splitlines()]
+
     assert_same_bits(metric(crashed), metric(Path(cfg.out)), "metrics")
     assert_same_bits(load_file(crashed / "drafter" / "model.safetensors"),
                      load_file(Path(cfg.out) / "drafter" / "model.safetensors"), "drafter")
@@ -424,7 +431,7 @@ def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_
     steps = len(losses(tmp_path / "run"))
     assert 1 < steps < 1000 and f"steps      {steps}   " in first[3]
     assert first[2] == "stopped    at the epoch limit (--epochs 1) before --max-steps 1000"
-    assert "n/a" not in "\n".join(first) and not any(l.startswith("status") for l in first)
+    assert "n/a" not in "\n".join(first) and not any(line.startswith("status") for line in first)
 
     again = train(tmp_path / "run", "--epochs", "1", "--max-steps", "1000", "--resume")
     assert again[2] == f"status     already complete at step {steps}: nothing left to train (--resume)"
@@ -433,4 +440,4 @@ def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_
     assert len(losses(tmp_path / "run")) == steps
 
     short = train(tmp_path / "short", "--epochs", "1", "--max-steps", "2")
-    assert not any("epoch limit" in l or l.startswith("status") for l in short) and "steps      2   " in short[2]
+    assert not any("epoch limit" in line or line.startswith("status") for line in short) and "steps      2   " in short[2]

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from dflash_pipeline.extract.cli import main as extract_main
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import run_extraction
+from dflash_pipeline.shared.target.identity import IDENTITY_FILE
 from dflash_pipeline.train.cli import main as train_main
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.eval_cli import main as eval_main
 from dflash_pipeline.train.run import run_training
-from dflash_pipeline.train.target_identity import IDENTITY_FILE
 
 TRAIN_ARGS = ["--device", "cpu", "--num-layers", "1", "--block-size", "8", "--pack-tokens", "256",
               "--num-blocks", "16", "--eval-samples", "4", "--loader-workers", "0", "--max-steps", "1"]
@@ -177,7 +177,7 @@ def test_debug_shows_the_traceback(tmp_path, tiny_target_dir, monkeypatch):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_library_callers_asking_for_cuda_are_refused_not_moved_to_the_cpu(store, tiny_target_dir, small_corpus, tmp_path):
-    from dflash_pipeline.shared.device import DeviceUnavailable
+    from dflash_pipeline.shared.runtime.device import DeviceUnavailable
 
     with pytest.raises(DeviceUnavailable, match="device cuda: no CUDA device"):
         run_training(TrainConfig(store=str(store), out=str(tmp_path / "run"), device="cuda"))

@@ -3,6 +3,7 @@
 `OUT/checkpoints/step-00000100/` holds the drafter (config.json + model.safetensors, loadable as
 is), `trainer.pt` (optimizer, schedule) and `state.json` (step, data position, store identity).
 It is written under a temporary name, fsynced and renamed; `OUT/checkpoints/latest` names the newest.
+The final drafter, `OUT/drafter/`, is written the same way.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.shared.drafter import DFlashDrafter
-from dflash_pipeline.shared.durable import replace_dir_durably, write_bytes_durably
-from dflash_pipeline.train.target_identity import TargetIdentity
+from dflash_pipeline.shared.model.drafter import DFlashDrafter
+from dflash_pipeline.shared.runtime.durable import replace_dir_durably, write_bytes_durably
+from dflash_pipeline.shared.target.identity import TargetIdentity
 
 LATEST = "latest"
 
@@ -54,6 +55,15 @@ def save_checkpoint(out: Path, model: DFlashDrafter, optimizer, scheduler, state
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_drafter(model: DFlashDrafter, folder: Path, target: TargetIdentity) -> None:
+    """The trained drafter with its target's identity, written whole or not at all."""
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    target.save(tmp)
+    replace_dir_durably(tmp, folder)
 
 
 def latest_checkpoint(out: Path) -> Path | None:

@@ -5,45 +5,67 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+import click
+
+from dflash_pipeline.shared.runtime.config import ConfigError, IntList, check_options, option
+from dflash_pipeline.shared.runtime.device import DEVICE_CHOICES, DEVICE_HELP
+
 
 @dataclass(frozen=True)
 class TrainConfig:
-    store: str
-    out: str
+    """`dflash-train`'s options: each field is one (see `shared.runtime.config.option`). The field order
+    is the key order of a run's train_config.json."""
+
+    store: str = option(type=click.Path(file_okay=False), help="Store written by dflash-extract.")
+    out: str = option(type=click.Path(file_okay=False), help="Run folder: checkpoints, metrics, drafter/.")
     # drafter shape
-    num_layers: int = 5
-    block_size: int = 16
-    mask_token_id: int | None = None  # None: the tokenizer's mask token, else the first unused row
-    gamma: float | None = None  # loss decay; None: the reference value for the block size
+    num_layers: int = option(5, range=(1, None), help="Drafter decoder layers.")
+    block_size: int = option(16, range=(2, None), help="Tokens per draft block.")
+    mask_token_id: int | None = option(None, help="[default: tokenizer mask token, else first unused row]")
+    gamma: float | None = option(None, help="Loss decay over block positions [default: 7 for B=16].")
     # data
-    pack_tokens: int = 4096
-    num_blocks: int = 256  # blocks (anchors) per pack
-    max_anchors_per_sample: int = 512
-    packs_per_step: int = 1  # per rank
-    eval_samples: int = 64
-    loader_workers: int | None = None  # per rank; None: `resolved_loader_workers`
+    pack_tokens: int = option(4096, range=(128, None), help="Context tokens per pack (multiple of 128).")
+    num_blocks: int = option(256, range=(1, None), help="Blocks (anchors) per pack.")
+    max_anchors_per_sample: int = option(512, range=(1, None))
+    packs_per_step: int = option(1, range=(1, None), help="Packs per GPU per optimizer step.")
+    eval_samples: int = option(64, range=(0, None), help="Held-out samples for offline acceptance.")
+    loader_workers: int | None = option(  # None: `resolved_loader_workers`
+        None, range=(0, None),
+        help="DataLoader worker processes per rank [default: on GPU the host's cores shared by its ranks, on CPU 2].")
     # optimisation (paper: AdamW 6e-4, cosine, 4% warmup, clip 1.0, 6 epochs)
-    epochs: int = 6
-    max_steps: int | None = None
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.0
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
+    epochs: int = option(6, range=(1, None))
+    max_steps: int | None = option(None, range=(1, None))
+    lr: float = option(6e-4)
+    min_lr_ratio: float = option(0.0)
+    warmup_ratio: float = option(0.04)
+    weight_decay: float = option(0.0)
+    grad_clip: float = option(1.0)
+    seed: int = option(0)
     # execution
-    device: str = "auto"  # "auto" (CUDA if there is one), "cuda" or "cpu"
-    gpus: tuple[int, ...] = ()
-    workers: int = 1  # processes with device=cpu
-    collective_timeout: float = 300.0  # seconds a rank may go silent before the others stop
-    attention: str = "auto"  # auto | flex_compiled | flex_eager | sdpa_dense
+    device: str = option("auto", choices=DEVICE_CHOICES, help=DEVICE_HELP)
+    gpus: tuple[int, ...] = option(
+        (), type=IntList(), help="GPU ids, one DDP process each [default: 3 if available, else all].")
+    workers: int = option(1, range=(1, None), help="DDP processes with --device cpu (gloo).")
+    collective_timeout: float = option(
+        300.0, range=(1, None), help="Several processes: seconds a rank may go without answering (frozen or cut-off "
+        "node) before the others stop naming it; slow work is waited for while its rank answers.")
+    attention: str = option("auto", choices=("auto", "flex_compiled", "flex_eager", "sdpa_dense"),
+                            help="auto: compiled flex_attention on GPU, dense SDPA on CPU.")
     # bookkeeping
-    log_every: int = 1
-    eval_every: int = 100
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 2
-    resume: bool = False
-    target: str | None = None  # optional: refuse a store whose target differs from this one
+    log_every: int = option(1, range=(1, None))
+    eval_every: int = option(100, range=(1, None))
+    checkpoint_every: int = option(200, range=(1, None))
+    keep_checkpoints: int = option(2, range=(1, None))
+    resume: bool = option(False, help="Continue from the latest checkpoint in --out.")
+    target: str | None = option(None, help="Optional: refuse the store unless it was extracted from this target.")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.pack_tokens % 128 or (self.num_blocks * self.block_size) % 128:
+            raise ConfigError(
+                f"--pack-tokens ({self.pack_tokens}) and --num-blocks x --block-size "
+                f"({self.num_blocks * self.block_size}) must be multiples of 128 (flex_attention block granularity)"
+            )
 
     @property
     def world_size(self) -> int:

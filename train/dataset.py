@@ -6,16 +6,22 @@ whichever worker builds it and whether or not the run was resumed.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from dflash_pipeline.shared.blocks import build_blocks, sample_anchors
-from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.shared.model.blocks import build_blocks, sample_anchors
+from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.packing import plan_packs, rank_slice
+
+if TYPE_CHECKING:
+    from dflash_pipeline.shared.model.config import DFlashConfig
+    from dflash_pipeline.train.feed import SlotRing
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,11 @@ class PackSpec:
     block_size: int
     mask_token_id: int
     max_anchors_per_sample: int
+
+    @classmethod
+    def for_drafter(cls, config: DFlashConfig, pack_tokens: int, num_blocks: int, max_anchors_per_sample: int) -> PackSpec:
+        """Block size and mask token taken from the drafter's config, their one source."""
+        return cls(pack_tokens, num_blocks, config.block_size, config.mask_token_id, max_anchors_per_sample)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,19 +69,26 @@ class StepDataset(Dataset):
     """Item (epoch, k, slot) = (epoch, k, the batch of this rank's step k of that epoch).
 
     One loader serves the whole run (a list of (epoch, k, slot) is its sampler), so its worker
-    processes start once instead of at every epoch. With `slots` set (a `train.feed.SlotRing`), the
-    whole batch is built in `slots.views(slot)` and the item carries only the slot's number: nothing
-    but a few bytes crosses the DataLoader's result pipe, which every worker shares and the main
-    process reads between training steps. With slot None the batch goes into new tensors.
+    processes start once instead of at every epoch. Given `slots` (a `train.feed.SlotRing`, shared
+    memory that pickles to spawned workers), the whole batch is built in `slots.views(slot)` and the
+    item carries only the slot's number: nothing but a few bytes crosses the DataLoader's result pipe,
+    which every worker shares and the main process reads between training steps. With slot None the
+    batch goes into new tensors.
     """
 
-    def __init__(self, store_root: str, plan: StepPlan, spec: PackSpec) -> None:
+    def __init__(self, store_root: str, plan: StepPlan, spec: PackSpec, slots: SlotRing | None = None) -> None:
         self.store_root = store_root
         self.plan = plan
         self.spec = spec
+        self.slots = slots
         self._store: FeatureStore | None = None  # opened lazily, once per worker process
         self._packs: tuple[int, list[list[int]]] | None = None  # (epoch, its packs), the latest epoch asked for
-        self.slots = None  # a train.feed.SlotRing while a feed runs
+
+    def with_slots(self, slots: SlotRing) -> StepDataset:
+        """A copy (of the same class, settings kept) that builds its batches into `slots`; this one is unchanged."""
+        twin = copy.copy(self)
+        twin.slots = slots
+        return twin
 
     @property
     def store(self) -> FeatureStore:

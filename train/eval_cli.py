@@ -16,8 +16,8 @@ from pathlib import Path
 import click
 import torch
 
-from dflash_pipeline.shared.device import device_option, resolve_device
-from dflash_pipeline.shared.errors import cli_errors
+from dflash_pipeline.shared.runtime.device import device_option, resolve_device
+from dflash_pipeline.shared.runtime.errors import cli_errors
 
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -59,12 +59,18 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
              device: str, dtype: str, block_size: int | None, max_prompt_tokens: int = 1024,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
     from dflash_pipeline.data.chat import stop_token_ids
-    from dflash_pipeline.extract.assets import load_tokenizer
-    from dflash_pipeline.extract.target import HiddenStateCapture, config_hash, load_full_target, load_target_config
-    from dflash_pipeline.shared.drafter import DFlashDrafter
     from dflash_pipeline.shared.generation.sampling import SamplingParams
-    from dflash_pipeline.shared.speculative import dflash_generate, target_generate
-    from dflash_pipeline.train.target_identity import TargetIdentity, check_config, check_drafter_fits, check_weights
+    from dflash_pipeline.shared.generation.speculative import dflash_generate, target_generate
+    from dflash_pipeline.shared.model.drafter import DFlashDrafter
+    from dflash_pipeline.shared.target.assets import load_tokenizer
+    from dflash_pipeline.shared.target.identity import (
+        TargetIdentity,
+        check_config,
+        check_drafter_fits,
+        check_weights,
+        config_hash,
+    )
+    from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target, load_target_config
 
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)

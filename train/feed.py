@@ -24,21 +24,21 @@ The copy of the batch just handed out may still run meanwhile (on its own stream
 The slot count is also a multiple of the worker count: the DataLoader hands step i to worker
 i % workers, so each worker only ever fills its own slots, and maps their pages once at start. A
 slot first written by a worker costs a page fault per 4 KiB of its 168 MB (3.6x the time of a
-168 MB read into it on the CPU machine); before this every pack of a short run was such a first touch.
+168 MB read into it on the CPU machine), so each worker touches its own slots once, at start.
 """
 
 from __future__ import annotations
 
 import mmap
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from dflash_pipeline.shared.errors import UserError
-from dflash_pipeline.shared.shard_io import decode_in_this_thread_only
+from dflash_pipeline.shared.runtime.errors import UserError
+from dflash_pipeline.shared.store.shard_io import decode_in_this_thread_only
 from dflash_pipeline.train.dataset import StepDataset, batch_layout
 from dflash_pipeline.train.step import to_device
 
@@ -112,8 +112,7 @@ def _start_worker(worker_id: int) -> None:
     oversubscribe), and this worker's own slots mapped into its page table before the first step."""
     decode_in_this_thread_only()
     info = get_worker_info()
-    ring: SlotRing | None = info.dataset.slots
-    for buffer in (ring.buffers if ring else [])[worker_id :: info.num_workers]:
+    for buffer in info.dataset.slots.buffers[worker_id :: info.num_workers]:
         map_pages(buffer)
 
 
@@ -137,8 +136,9 @@ def slots_needed(workers: int, prefetch: int) -> int:
 def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: int, device: torch.device,
                    prefetch: int = 2) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
     """(epoch, k, batch on `device`) for each (epoch, k) of `steps`, in order, built by `workers`
-    processes (0: in this process). A yielded batch never shares memory with a slot. Entries an item
-    carries besides its slot number (a dataset subclass's extras) join the batch as tensors."""
+    processes (0: in this process) from a copy of `dataset` given the slot ring. A yielded batch never
+    shares memory with a slot. Entries an item carries besides its slot number (a dataset subclass's
+    extras) join the batch as tensors."""
     if workers == 0:
         for epoch, k in steps:
             _, _, batch = dataset[(epoch, k, None)]
@@ -147,8 +147,7 @@ def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: 
     count = slots_needed(workers, prefetch)
     shapes = batch_layout(dataset.spec, dataset.plan.packs_per_step, dataset.store.hidden_width, dataset.store.hidden_dtype)
     ring = SlotRing(count, SlotLayout.of(shapes), pin=device.type == "cuda")
-    dataset.slots = ring
-    loader = DataLoader(dataset, batch_size=None, sampler=[(e, k, i % count) for i, (e, k) in enumerate(steps)],
+    loader = DataLoader(dataset.with_slots(ring), batch_size=None, sampler=[(e, k, i % count) for i, (e, k) in enumerate(steps)],
                         num_workers=workers, prefetch_factor=prefetch, multiprocessing_context="spawn",
                         worker_init_fn=_start_worker, collate_fn=_as_sent)
     copies: deque[torch.cuda.Event] = deque()  # device copies of the last two batches
@@ -174,7 +173,6 @@ def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: 
     finally:
         it._shutdown_workers()  # before the slots go; an exception's traceback would keep `it` alive
         del it
-        dataset.slots = None
         for done in copies:
             done.synchronize()
         ring.close()

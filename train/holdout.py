@@ -10,7 +10,7 @@ import hashlib
 
 import numpy as np
 
-from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.shared.store.reader import FeatureStore
 
 
 def prompt_key(input_ids: np.ndarray, loss_mask: np.ndarray) -> bytes:

@@ -1,5 +1,9 @@
 """Stage two on one rank: DDP drafter training from the feature store, checkpoints, evaluation.
 
+`train_rank` is the whole run in order: `Trainer.build` (store checks, drafter, data plan, optimizer)
+-> `Trainer.resume` (the last checkpoint, if asked) -> `Trainer.fit` (the steps, with their metrics,
+evaluations and checkpoints) -> `Trainer.save_drafter`.
+
 The loss is normalised by the weight summed over *all* ranks (one all-reduce of a scalar before the
 backward), so a DDP step equals a single-process step on the same global batch exactly.
 """
@@ -9,9 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,19 +22,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_pipeline.shared.blocks import default_gamma
-from dflash_pipeline.shared.cluster import Cluster, group_timeout
-from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter, TargetHead
-from dflash_pipeline.shared.durable import replace_dir_durably, write_bytes_durably
-from dflash_pipeline.shared.errors import UserError
-from dflash_pipeline.shared.progress import progress_bar
-from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.shared.model.config import DFlashConfig
+from dflash_pipeline.shared.model.drafter import DFlashDrafter
+from dflash_pipeline.shared.model.loss import default_gamma
+from dflash_pipeline.shared.model.target_head import TargetHead
+from dflash_pipeline.shared.runtime.cluster import Cluster, group_timeout
+from dflash_pipeline.shared.runtime.errors import UserError
+from dflash_pipeline.shared.runtime.progress import progress_bar
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.store.reader import FeatureStore
+from dflash_pipeline.shared.target.identity import TargetIdentity
 from dflash_pipeline.train import checkpoint as ckpt
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
 from dflash_pipeline.train.feed import device_batches
 from dflash_pipeline.train.holdout import prompt_groups
-from dflash_pipeline.train.metrics import read_records
+from dflash_pipeline.train.metrics import MetricsLog, Throughput
 from dflash_pipeline.train.packing import plan_packs, rank_slice, split_holdout
 from dflash_pipeline.train.setup import (
     load_target_config,
@@ -42,8 +46,6 @@ from dflash_pipeline.train.setup import (
     validate_store,
 )
 from dflash_pipeline.train.step import block_acceptance, pack_loss, to_device
-from dflash_pipeline.train.target_identity import TargetIdentity
-
 
 # Held-out packs and their anchors are drawn with this "epoch", apart from every training epoch.
 EVAL_EPOCH = 2**31 - 1
@@ -74,7 +76,7 @@ def backend_for(cfg: TrainConfig, device: torch.device) -> str:
     return "flex_compiled" if device.type == "cuda" else "sdpa_dense"
 
 
-def lr_lambda(total_steps: int, warmup: int, min_ratio: float):
+def lr_lambda(total_steps: int, warmup: int, min_ratio: float) -> Callable[[int], float]:
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -108,191 +110,231 @@ def from_rank0(compute: Callable[[], np.ndarray], length: int, device: torch.dev
     return values.cpu().numpy()
 
 
-class MetricsLog:
-    """metrics.jsonl on rank 0; on resume, lines after the resumed step are dropped first. A new
-    run's log is started by its first record, so a run that fails before its first step leaves none."""
-
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
-        self.path = path
-        self.enabled = enabled
-        self.mode = "w" if resume_step is None else "a"
-        self.kept: list[dict] = []  # the records up to the resumed step, which a resumed run reports from
-        if enabled and resume_step is not None and path.exists():
-            records, warning = read_records(path)  # a line cut short by the crash is dropped
-            if warning:
-                print(f"dflash-train: warning: {warning}", file=sys.stderr)
-            self.kept = [r for r in records if r.get("step", 0) <= resume_step]
-            write_bytes_durably(path, "".join(json.dumps(r) + "\n" for r in self.kept).encode())  # a crash keeps the old log
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, self.mode) as f:
-                f.write(json.dumps(record) + "\n")
-            self.mode = "a"
-
-
 def build_model(cfg: TrainConfig, store: FeatureStore, device: torch.device) -> tuple[DFlashDrafter, TargetHead]:
-    target_config = load_target_config(store)
-    mask_token = resolve_mask_token(store, cfg.mask_token_id)
+    """The drafter, freshly initialised from `cfg.seed`, with the attention backend it trains and
+    evaluates with; and the target's frozen embedding and LM head. Its config is the one source of the
+    block size and mask token from here on."""
     dcfg = DFlashConfig.for_target(
-        target_config,
+        load_target_config(store),
         store.layer_ids,
         num_layers=cfg.num_layers,
         block_size=cfg.block_size,
-        mask_token_id=mask_token,
+        mask_token_id=resolve_mask_token(store, cfg.mask_token_id),
     )
     torch.manual_seed(cfg.seed)
-    model = DFlashDrafter(dcfg).to(device)
-    head = TargetHead.load(Path(store.root) / "target" / "target_head.safetensors", device=device)
+    model = DFlashDrafter(dcfg, attention_backend=backend_for(cfg, device)).to(device)
+    head = TargetHead.load(StoreLayout(store.root).target_head, device=device)
     return model, head
+
+
+@dataclass(eq=False)
+class Trainer:
+    """What one rank trains with, made once by `build`; `state` is where the run stands (restored by
+    `resume`, advanced by `fit`)."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    cluster: Cluster | None  # with several ranks, where they wait for one another's unequal work
+    store: FeatureStore
+    model: DFlashDrafter
+    head: TargetHead
+    spec: PackSpec
+    gamma: float
+    plan: StepPlan
+    schedule: list[tuple[int, int]]  # every (epoch, k) of --epochs, in order
+    total_steps: int  # the schedule cut at --max-steps
+    eval_packs: list[list[int]]  # this rank's share of the held-out packs
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    state: ckpt.TrainState
+
+    @classmethod
+    def build(cls, rank: int, world: int, cfg: TrainConfig, device: torch.device,
+              cluster: Cluster | None = None) -> Trainer:
+        """Check the store, build the drafter, split off the held-out prompts, plan the packs of every
+        step, and make the optimizer and LR schedule; a step 0 state."""
+        store = FeatureStore(cfg.store)
+        validate_store(store, cfg)
+        model, head = build_model(cfg, store, device)
+        spec = PackSpec.for_drafter(model.config, cfg.pack_tokens, cfg.num_blocks, cfg.max_anchors_per_sample)
+        gamma = cfg.gamma if cfg.gamma is not None else default_gamma(spec.block_size)
+
+        lengths = np.asarray(store.lengths)
+        # a held-out prompt never also trains
+        groups = from_rank0(lambda: prompt_groups(store), len(store), device, cluster) if cfg.eval_samples else None
+        train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed, groups)
+        plan = StepPlan(train_ids, lengths, cfg.pack_tokens, cfg.seed, rank, world, cfg.packs_per_step)
+        schedule = plan.schedule(cfg.epochs)
+        empty = sorted(set(range(cfg.epochs)) - {epoch for epoch, _ in schedule})
+        if empty:
+            raise TrainingError(
+                f"{cfg.store}: {len(train_ids)} training samples fill fewer packs than one step needs "
+                f"({world} ranks x {cfg.packs_per_step} packs of {cfg.pack_tokens} tokens) in epoch "
+                f"{empty[0]}; lower --pack-tokens"
+            )
+        eval_packs = (rank_slice(plan_packs(eval_ids, lengths, cfg.pack_tokens, cfg.seed, EVAL_EPOCH), rank, world, 1)
+                      if len(eval_ids) else [])
+
+        total_steps = len(schedule) if cfg.max_steps is None else min(cfg.max_steps, len(schedule))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                      fused=device.type == "cuda")
+        warmup = max(1, int(round(cfg.warmup_ratio * total_steps)))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
+        state = ckpt.TrainState(step=0, epoch=0, step_in_epoch=0, store_identity=store_identity(store))
+        return cls(cfg, rank, world, device, cluster, store, model, head, spec, gamma, plan, schedule, total_steps,
+                   eval_packs, trainable, optimizer, scheduler, state)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+    @property
+    def epoch_limit(self) -> bool:
+        """--epochs ends the run before --max-steps."""
+        return self.cfg.max_steps is not None and len(self.schedule) < self.cfg.max_steps
+
+    def resume(self) -> bool:
+        """With --resume, restore the drafter, optimizer, schedule and state of the last checkpoint
+        (True if there was one); without, refuse an --out that holds an earlier run's checkpoints."""
+        out = self.out
+        resume_from = ckpt.latest_checkpoint(out) if self.cfg.resume else None
+        if self.cfg.resume and resume_from is None and self.rank == 0:
+            print(f"dflash-train: no checkpoint under {out}; starting from scratch")
+        if resume_from is None:
+            if self.rank == 0 and out.exists() and ckpt.latest_checkpoint(out) is not None:
+                raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass --resume to continue it or choose a new --out")
+            return False
+        state = ckpt.load_state(resume_from)
+        if state.store_identity != self.state.store_identity:
+            raise TrainingError(f"{resume_from}: checkpoint was trained on another store or target; use a new --out")
+        saved = DFlashDrafter.from_pretrained(resume_from)
+        if saved.config != self.model.config:
+            raise TrainingError(f"{resume_from}: checkpoint drafter config differs from this run's settings")
+        self.model.load_state_dict(saved.state_dict())
+        ckpt.load_trainer_state(resume_from, self.optimizer, self.scheduler)
+        self.state = state
+        return True
+
+    def autocast(self) -> torch.autocast:
+        return (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+
+    def fit(self, metrics: MetricsLog) -> tuple[float | None, float]:
+        """The steps from `state.step` to `total_steps`, each logged, evaluated and checkpointed at
+        its interval; (last tau, tokens/s of the last logged window), the kept log's if no step logs
+        them."""
+        cfg, state = self.cfg, self.state
+        tau, rate = metrics.kept_results()
+        ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if self.world > 1 else self.model
+        bar = progress_bar(total=self.total_steps, initial=state.step, desc="train", unit="step", disable=self.rank != 0)
+        throughput = Throughput()
+        workers = cfg.resolved_loader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        dataset = StepDataset(cfg.store, self.plan, self.spec)
+        for epoch, k, batch in device_batches(dataset, self.schedule[state.step : self.total_steps], workers, self.device):
+            step_loss, reduced = self.train_step(ddp, batch)
+            state.step += 1
+            state.epoch, state.step_in_epoch = epoch, k + 1
+            state.last_loss = step_loss
+            throughput.add(int((batch["context_doc"] >= 0).sum()) * self.world)
+            if state.step % cfg.log_every == 0 or state.step == self.total_steps:
+                rate = throughput.rate()
+                metrics.write(self.step_record(step_loss, reduced, rate))
+                bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}")
+            bar.update(1)
+            if self.eval_packs and (state.step % cfg.eval_every == 0 or state.step == self.total_steps):
+                tau = self.evaluate()
+                metrics.write({"step": state.step, "type": "eval", "tau": tau})
+            if state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        return tau, rate
+
+    def train_step(self, ddp: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, list[float]]:
+        """One optimizer step on this rank's share of the global batch: the global batch's loss, and
+        the all-rank sums [loss sum, grad norm, correct per position..., labelled per position...]."""
+        self.model.train()
+        with self.autocast():
+            loss_sum, weight, stats = pack_loss(ddp, self.head, batch, self.gamma)
+        global_weight, = all_sum([float(weight)], self.device)
+        loss = loss_sum * (self.world / max(global_weight, 1e-12))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
+        reduced = all_sum([float(loss_sum.detach()), float(grad_norm)] + stats["correct"].tolist() + stats["total"].tolist(),
+                          self.device)
+        step_loss = reduced[0] / max(global_weight, 1e-12)
+        if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
+            raise TrainingError(
+                f"loss became {step_loss} at step {self.state.step + 1}; stopped, the last good checkpoint is "
+                f"{ckpt.latest_checkpoint(self.out) or 'none (no checkpoint was written yet)'}"
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        return step_loss, reduced
+
+    def step_record(self, step_loss: float, reduced: list[float], rate: float) -> dict:
+        """The metrics line of the step just done (`reduced`: as `train_step` returns it)."""
+        n_pos = (len(reduced) - 2) // 2
+        correct, totals = np.array(reduced[2 : 2 + n_pos]), np.array(reduced[2 + n_pos :])
+        return {
+            "step": self.state.step, "epoch": self.state.epoch, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": reduced[1] / self.world, "tokens_per_s": rate,
+            "acc": [round(c / t, 4) if t else None for c, t in zip(correct, totals)],
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean offline acceptance length over the held-out packs (all ranks), the drafter in eval mode."""
+        self.model.eval()
+        total, count = 0.0, 0
+        for pack in self.eval_packs:
+            batch = to_device(build_batch(self.store, [pack], self.spec, self.cfg.seed, EVAL_EPOCH), self.device)
+            with self.autocast():
+                _, _, stats = pack_loss(self.model, self.head, batch, self.gamma)
+            accepted = block_acceptance(batch, stats["pred"], self.spec.block_size)
+            total += float(accepted.sum())
+            count += accepted.numel()
+        total, count = all_sum([total, float(count)], self.device)
+        self.model.train()
+        return total / count if count else float("nan")
+
+    def target_identity(self) -> TargetIdentity:
+        return TargetIdentity.of_store(self.store.root, self.store.manifest.target)
+
+    def save_checkpoint(self) -> None:
+        """Rank 0 writes the checkpoint of the step just done; every rank meets after it."""
+        if self.rank == 0:
+            ckpt.save_checkpoint(self.out, self.model, self.optimizer, self.scheduler, self.state,
+                                 self.cfg.keep_checkpoints, self.target_identity())
+        if self.cluster is not None:
+            self.cluster.meet(f"checkpoint-{self.state.step}")
+
+    def save_drafter(self) -> None:
+        """Rank 0 writes the trained drafter to OUT/drafter; every rank meets after it."""
+        if self.rank == 0:
+            ckpt.save_drafter(self.model, self.out / "drafter", self.target_identity())
+        if self.cluster is not None:
+            self.cluster.meet("drafter-saved")
 
 
 def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device, cluster: Cluster | None = None) -> RankResult:
     """`cluster`: with several ranks, where they wait for one another's unequal work (see `Cluster.meet`)."""
-    out = Path(cfg.out)
-    store = FeatureStore(cfg.store)
-    validate_store(store, cfg)
-    identity = store_identity(store)
-    model, head = build_model(cfg, store, device)
-    backend = backend_for(cfg, device)
-    model.attention_backend = backend
-    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(cfg.block_size)
-
-    lengths = np.asarray(store.lengths)
-    # a held-out prompt never also trains
-    groups = from_rank0(lambda: prompt_groups(store), len(store), device, cluster) if cfg.eval_samples else None
-    train_ids, eval_ids = split_holdout(len(store), cfg.eval_samples, cfg.seed, groups)
-    spec = PackSpec(cfg.pack_tokens, cfg.num_blocks, cfg.block_size, model.config.mask_token_id, cfg.max_anchors_per_sample)
-    plan = StepPlan(train_ids, lengths, cfg.pack_tokens, cfg.seed, rank, world, cfg.packs_per_step)
-    schedule = plan.schedule(cfg.epochs)
-    empty = sorted(set(range(cfg.epochs)) - {epoch for epoch, _ in schedule})
-    if empty:
-        raise TrainingError(
-            f"{cfg.store}: {len(train_ids)} training samples fill fewer packs than one step needs "
-            f"({world} ranks x {cfg.packs_per_step} packs of {cfg.pack_tokens} tokens) in epoch "
-            f"{empty[0]}; lower --pack-tokens"
-        )
-    total_steps = len(schedule) if cfg.max_steps is None else min(cfg.max_steps, len(schedule))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                  fused=device.type == "cuda")
-    warmup = max(1, int(round(cfg.warmup_ratio * total_steps)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
-
-    state = ckpt.TrainState(step=0, epoch=0, step_in_epoch=0, store_identity=identity)
-    resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
-    if cfg.resume and resume_from is None and rank == 0:
-        print(f"dflash-train: no checkpoint under {out}; starting from scratch")
-    if resume_from is not None:
-        state = ckpt.load_state(resume_from)
-        if state.store_identity != identity:
-            raise TrainingError(f"{resume_from}: checkpoint was trained on another store or target; use a new --out")
-        saved = DFlashDrafter.from_pretrained(resume_from)
-        if saved.config != model.config:
-            raise TrainingError(f"{resume_from}: checkpoint drafter config differs from this run's settings")
-        model.load_state_dict(saved.state_dict())
-        ckpt.load_trainer_state(resume_from, optimizer, scheduler)
-    elif rank == 0 and out.exists() and ckpt.latest_checkpoint(out) is not None:
-        raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass --resume to continue it or choose a new --out")
-
+    trainer = Trainer.build(rank, world, cfg, device, cluster)
+    resumed = trainer.resume()
+    out = trainer.out
     out.mkdir(parents=True, exist_ok=True)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
-    metrics = MetricsLog(out / "metrics.jsonl", rank == 0, state.step if resume_from is not None else None)
+    metrics = MetricsLog(out / "metrics.jsonl", rank == 0, trainer.state.step if resumed else None)
     if rank == 0:
         (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    eval_packs = rank_slice(plan_packs(eval_ids, lengths, cfg.pack_tokens, cfg.seed, EVAL_EPOCH), rank, world, 1) if len(eval_ids) else []
-
-    bar = progress_bar(total=total_steps, initial=state.step, desc="train", unit="step", disable=rank != 0)
-    last_loss, tau, rate = state.last_loss, None, 0.0
-    for record in metrics.kept:  # a resumed run that trains no further still reports its last results
-        tau = record["tau"] if record.get("type") == "eval" else tau
-        rate = record.get("tokens_per_s", rate)
-    already_complete = resume_from is not None and state.step >= total_steps
-    epoch_limit = cfg.max_steps is not None and len(schedule) < cfg.max_steps
-    window_tokens, window_start = 0, time.perf_counter()
-    workers = cfg.resolved_loader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    batches = device_batches(StepDataset(cfg.store, plan, spec), schedule[state.step : total_steps], workers, device)
-    for epoch, k, batch in batches:
-        model.train()
-        with autocast:
-            loss_sum, weight, stats = pack_loss(ddp, head, batch, backend, gamma)
-        global_weight, = all_sum([float(weight)], device)
-        loss = loss_sum * (world / max(global_weight, 1e-12))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-        reduced = all_sum([float(loss_sum.detach()), float(grad_norm)] + stats["correct"].tolist() + stats["total"].tolist(), device)
-        step_loss = reduced[0] / max(global_weight, 1e-12)
-        if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
-            raise TrainingError(
-                f"loss became {step_loss} at step {state.step + 1}; stopped, the last good checkpoint is "
-                f"{ckpt.latest_checkpoint(out) or 'none (no checkpoint was written yet)'}"
-            )
-        optimizer.step()
-        scheduler.step()
-        state.step += 1
-        state.epoch, state.step_in_epoch = epoch, k + 1
-        state.last_loss = last_loss = step_loss
-        window_tokens += int((batch["context_doc"] >= 0).sum()) * world
-        if state.step % cfg.log_every == 0 or state.step == total_steps:
-            elapsed = time.perf_counter() - window_start
-            rate = window_tokens / elapsed if elapsed > 0 else 0.0
-            n_pos = (len(reduced) - 2) // 2
-            correct, totals = np.array(reduced[2 : 2 + n_pos]), np.array(reduced[2 + n_pos :])
-            metrics.write({
-                "step": state.step, "epoch": state.epoch, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
-                "grad_norm": reduced[1] / world, "tokens_per_s": rate,
-                "acc": [round(c / t, 4) if t else None for c, t in zip(correct, totals)],
-            })
-            window_tokens, window_start = 0, time.perf_counter()
-            bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}")
-        bar.update(1)
-        if eval_packs and (state.step % cfg.eval_every == 0 or state.step == total_steps):
-            tau = evaluate(model, head, cfg, store, eval_packs, spec, backend, device, autocast, gamma)
-            metrics.write({"step": state.step, "type": "eval", "tau": tau})
-        if state.step % cfg.checkpoint_every == 0 or state.step == total_steps:
-            save_all(rank, out, model, optimizer, scheduler, state, cfg, store, cluster)
-    bar.close()
-    if rank == 0:
-        save_drafter(model, out / "drafter", TargetIdentity.of_store(store.root, store.manifest.target))
-    if cluster is not None:
-        cluster.meet("drafter-saved")
-    return RankResult(state.step, last_loss, tau, rate, str(out), already_complete, epoch_limit)
-
-
-def save_drafter(model: DFlashDrafter, folder: Path, target: TargetIdentity) -> None:
-    """The trained drafter with its target's identity, written whole or not at all."""
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    target.save(tmp)
-    replace_dir_durably(tmp, folder)
-
-
-def save_all(rank, out, model, optimizer, scheduler, state, cfg, store, cluster=None) -> None:
-    if rank == 0:
-        ckpt.save_checkpoint(out, model, optimizer, scheduler, state, cfg.keep_checkpoints,
-                             TargetIdentity.of_store(store.root, store.manifest.target))
-    if cluster is not None:
-        cluster.meet(f"checkpoint-{state.step}")
-
-
-@torch.no_grad()
-def evaluate(model, head, cfg, store, eval_packs, spec, backend, device, autocast, gamma) -> float:
-    """Mean offline acceptance length over the held-out packs (all ranks), the drafter in eval mode."""
-    model.eval()
-    total, count = 0.0, 0
-    for pack in eval_packs:
-        batch = to_device(build_batch(store, [pack], spec, cfg.seed, EVAL_EPOCH), device)
-        with autocast:
-            _, _, stats = pack_loss(model, head, batch, backend, gamma)
-        accepted = block_acceptance(batch, stats["pred"], cfg.block_size)
-        total += float(accepted.sum())
-        count += accepted.numel()
-    total, count = all_sum([total, float(count)], device)
-    model.train()
-    return total / count if count else float("nan")
+    already_complete = resumed and trainer.state.step >= trainer.total_steps
+    tau, rate = trainer.fit(metrics)
+    trainer.save_drafter()
+    state = trainer.state
+    return RankResult(state.step, state.last_loss, tau, rate, str(out), already_complete, trainer.epoch_limit)
 
 
 def init_distributed(rank: int, world: int, device: torch.device, init_method: str | None,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.shared.errors import cli_errors
+from dflash_pipeline.shared.runtime.errors import cli_errors
 from dflash_pipeline.train.metrics import read_records
 
 

@@ -5,25 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-import torch
-
-from dflash_pipeline.shared.cluster import torchrun_refusal
-from dflash_pipeline.shared.device import gpus_on_cpu, pick_device
-from dflash_pipeline.shared.launch import RankFailed, free_port, spawn_ranks
-from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.shared.runtime.cluster import torchrun_refusal
+from dflash_pipeline.shared.runtime.device import pick_device, resolve_devices
+from dflash_pipeline.shared.runtime.launch import RankFailed, free_port, spawn_ranks
+from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.loop import RESUME_HINT, RankResult, TrainingError, rank_entry
 from dflash_pipeline.train.setup import check_store_target
-
-
-def resolve_devices(cfg: TrainConfig) -> TrainConfig:
-    """Default GPUs: three if available (else all visible); `auto` is CUDA when there is one."""
-    if refusal := gpus_on_cpu(cfg.gpus, cfg.device):
-        raise TrainingError(refusal)
-    cfg = replace(cfg, device=pick_device(cfg.device))
-    if cfg.device == "cuda" and not cfg.gpus:
-        return replace(cfg, gpus=tuple(range(min(3, torch.cuda.device_count()))))
-    return cfg
 
 
 def run_training(cfg: TrainConfig) -> RankResult | None:
@@ -37,7 +25,8 @@ def run_training(cfg: TrainConfig) -> RankResult | None:
         cfg = replace(cfg, device=pick_device(cfg.device))
         result = rank_entry(rank, world, cfg, None)
         return result if rank == 0 else None
-    cfg = resolve_devices(cfg)
+    device, gpus = resolve_devices(cfg.device, cfg.gpus, default_gpus=3)
+    cfg = replace(cfg, device=device, gpus=gpus)
     if cfg.world_size == 1:
         return rank_entry(0, 1, cfg, None)
     init = f"tcp://127.0.0.1:{free_port()}"

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from dflash_pipeline.shared.errors import UserError
-from dflash_pipeline.shared.store import FeatureStore
-from dflash_pipeline.train.target_identity import TargetIdentity, check_config, check_weights
+from dflash_pipeline.shared.runtime.errors import UserError
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.store.reader import FeatureStore
+from dflash_pipeline.shared.target.identity import TargetIdentity, check_config, check_weights, config_hash
+from dflash_pipeline.shared.target.loading import text_config
 
 
 class StoreUnusable(UserError, ValueError):
     """The store cannot train a drafter with these settings."""
 
 
-def target_dir(store: FeatureStore) -> Path:
-    return Path(store.root) / "target"
-
-
 def load_target_config(store: FeatureStore) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(str(target_dir(store)))
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text_config(AutoConfig.from_pretrained(str(StoreLayout(store.root).target_dir)))
 
 
 def store_identity(store: FeatureStore) -> dict:
@@ -37,7 +32,7 @@ def store_identity(store: FeatureStore) -> dict:
 
 def check_store_target(store: FeatureStore, target: str) -> None:
     """Refuse a store not extracted from `target` (`--target`): other config or other weights."""
-    from dflash_pipeline.extract.target import config_hash, load_target_config as load_cfg
+    from dflash_pipeline.shared.target.loading import load_target_config as load_cfg
 
     identity = TargetIdentity.of_store(store.root, store.manifest.target)
     check_config(identity, f"the store {store.root}", target, config_hash(load_cfg(target)))
@@ -54,11 +49,6 @@ def validate_store(store: FeatureStore, cfg) -> None:
             f"{store.root}: block size {cfg.block_size} is larger than every sample (longest has {longest} tokens); "
             "lower --block-size"
         )
-    if cfg.pack_tokens % 128 or (cfg.num_blocks * cfg.block_size) % 128:
-        raise StoreUnusable(
-            f"--pack-tokens ({cfg.pack_tokens}) and --num-blocks x --block-size ({cfg.num_blocks * cfg.block_size}) "
-            "must be multiples of 128 (flex_attention block granularity)"
-        )
 
 
 def resolve_mask_token(store: FeatureStore, given: int | None) -> int:
@@ -72,7 +62,7 @@ def resolve_mask_token(store: FeatureStore, given: int | None) -> int:
         if not 0 <= given < vocab:
             raise StoreUnusable(f"--mask-token-id {given} is outside the target vocabulary (0..{vocab - 1})")
         return given
-    tok = AutoTokenizer.from_pretrained(str(target_dir(store) / "tokenizer"))
+    tok = AutoTokenizer.from_pretrained(str(StoreLayout(store.root).tokenizer_dir))
     if tok.mask_token_id is not None:
         return int(tok.mask_token_id)
     if len(tok) < vocab:

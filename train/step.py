@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from dflash_pipeline.shared.attention import build_block_mask, dense_mask
-from dflash_pipeline.shared.blocks import acceptance_length, dflash_loss
-from dflash_pipeline.shared.drafter import DFlashDrafter, TargetHead
+from dflash_pipeline.shared.model.attention import build_block_mask, dense_mask
+from dflash_pipeline.shared.model.drafter import DFlashDrafter
+from dflash_pipeline.shared.model.loss import acceptance_length, dflash_loss
+from dflash_pipeline.shared.model.target_head import TargetHead
 
 FLEX_BACKENDS = ("flex_compiled", "flex_eager")
 
@@ -31,25 +32,26 @@ def attention_mask(batch: dict[str, torch.Tensor], block_size: int, backend: str
     return dense_mask(**args)
 
 
-def drafter_hidden(model, head: TargetHead, batch: dict[str, torch.Tensor], backend: str) -> torch.Tensor:
-    """Drafter output states [b, N*B, H] for the blocks of a batch."""
+def drafter_hidden(model, head: TargetHead, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Drafter output states [b, N*B, H] for the blocks of a batch; the mask is built for the attention
+    backend the drafter carries (set once, where the drafter is built)."""
     core: DFlashDrafter = getattr(model, "module", model)
     cfg = core.config
     dtype = core.fc.weight.dtype
     embeds = head.embed(batch["block_ids"], cfg.input_embedding_scale, dtype=dtype)
-    mask = attention_mask(batch, cfg.block_size, backend, cfg.sliding_window)
+    mask = attention_mask(batch, cfg.block_size, core.attention_backend, cfg.sliding_window)
     context = batch["context_hidden"].to(dtype)
     return model(context, embeds, batch["context_positions"], batch["block_positions"], mask)
 
 
-def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], backend: str, gamma: float):
+def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: float):
     """Weighted CE of a batch: (sum of w*ce, sum of w, per-position stats incl. predictions).
 
     The sum (not the mean) is returned so the caller can normalise by the weight of all ranks.
     """
     core: DFlashDrafter = getattr(model, "module", model)
     cfg = core.config
-    hidden = drafter_hidden(model, head, batch, backend)
+    hidden = drafter_hidden(model, head, batch)
     mean, stats = dflash_loss(
         hidden,
         batch["labels"],

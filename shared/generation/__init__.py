@@ -1,1 +1,1 @@
-"""Batched generation over a paged KV cache: the regeneration engine's parts."""
+"""Decode loops over a KV cache: the regeneration engine's parts and speculative decoding."""

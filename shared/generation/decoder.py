@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_pipeline.shared.generation.paged_attention import paged_decode_attention
-from dflash_pipeline.shared.errors import UserError
+from dflash_pipeline.shared.runtime.errors import UserError
+from dflash_pipeline.shared.target.loading import text_config
 
 # Decoders whose layers are exactly: x + attn(norm(x)), then x + mlp(norm(x)); attention with
 # q/k/v/o projections (optional bias), optional per-head q/k RMSNorm, rotary positions, GQA.
@@ -28,12 +29,6 @@ _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")  # cos/sin that change with t
 
 class GenerationError(UserError, ValueError):
     """The target or a request cannot be run by the generation engine; the message says why."""
-
-
-def text_config_of(model: nn.Module) -> Any:
-    """The decoder config of a (possibly multimodal) HF model."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 _HINT = ("regenerate the replies with vLLM or SGLang and pass the JSONL as --data without --regenerate "
@@ -57,7 +52,7 @@ def check_supported_config(config: Any, max_context: int) -> None:
 
 def check_supported(model: nn.Module, max_context: int) -> None:
     """`check_supported_config`, and a rotary embedding whose cos/sin do not depend on the length."""
-    check_supported_config(text_config_of(model), max_context)
+    check_supported_config(text_config(model.config), max_context)
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
     if any(name in rope for name in _POSITION_DEPENDENT_ROPE):
         raise GenerationError(f"rope type {rope!r} changes with the sequence length, which the "
@@ -126,7 +121,7 @@ class PagedDecoder:
         self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
         self.lm_head = model.lm_head
         attn = self.layers[0].self_attn
-        config = text_config_of(model)
+        config = text_config(model.config)
         self.head_dim = attn.head_dim
         self.kv_heads = config.num_key_value_heads
         self.groups = config.num_attention_heads // self.kv_heads

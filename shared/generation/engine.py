@@ -28,9 +28,9 @@ from dflash_pipeline.shared.generation.decoder import (
     PagedKVCache,
     check_supported,
     pages_for,
-    text_config_of,
 )
 from dflash_pipeline.shared.generation.sampling import SamplingParams, choose_tokens
+from dflash_pipeline.shared.target.loading import text_config
 
 WORKSPACE_MARGIN_BYTES = 2 << 30  # beside the estimate: CUDA graphs' pool, library workspaces
 
@@ -94,7 +94,7 @@ class GenerationEngine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         param = next(model.parameters())
         self.device, dtype = param.device, param.dtype
-        config = text_config_of(model)
+        config = text_config(model.config)
         attn = model.model.layers[0].self_attn
         layers, kv_heads, head_dim = len(model.model.layers), config.num_key_value_heads, attn.head_dim
         self.pages_per_request = pages_for(settings.max_request_tokens, settings.page_size)

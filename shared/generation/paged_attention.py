@@ -210,7 +210,7 @@ def _launch_split(kernels, meta: dict, args: tuple, strides: tuple, out: torch.T
     # per split: the unnormalised accumulator, the running max (log2 domain) and the running sum
     acc = torch.empty((b, heads, splits, head_dim), device=q.device, dtype=torch.float32)
     m = torch.empty((b, heads, splits), device=q.device, dtype=torch.float32)
-    l = torch.empty_like(m)
+    l = torch.empty_like(m)  # noqa: E741 - the running sum, as flash attention names it
     kernels.attn[(b, kv_heads, splits)](
         *args, acc, m, l, qk_scale, max_pages, splits, *strides,
         acc.stride(0), acc.stride(1), acc.stride(3), acc.stride(2), *m.stride(), SPLIT=True, **meta)
@@ -327,7 +327,7 @@ def _kernels():
         sp_ok = sp < num_splits
         ml = row * s_mb + head * s_mh + sp * s_ms
         m = tl.load(m_ptr + ml, mask=sp_ok, other=float("-inf"))
-        l = tl.load(l_ptr + ml, mask=sp_ok, other=0.0)
+        l = tl.load(l_ptr + ml, mask=sp_ok, other=0.0)  # noqa: E741 - the running sum
         acc = tl.load(acc_ptr + row * s_ab + head * s_ah + sp[:, None] * s_as + d[None, :] * s_ad,
                       mask=sp_ok[:, None], other=0.0)
         m_all = tl.max(m, 0)

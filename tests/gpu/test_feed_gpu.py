@@ -10,7 +10,7 @@ import torch
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import run_extraction
-from dflash_pipeline.shared.store import FeatureStore
+from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
 from dflash_pipeline.train.feed import device_batches, slots_needed
 
@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("workers, prefetch", [(1, 1), (2, 2)])
-def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(tiny_target_dir, tmp_path, workers, prefetch):
+def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(tiny_target_dir, tmp_path, monkeypatch,
+                                                                          workers, prefetch):
     """Every batch kept on the device and compared at the end, while the current stream is kept
     busy (as a training step would) so copies on the feed's stream run beside it: a slot refilled
     before its copy finished, or a batch read before its copy landed, shows as a mismatch."""
@@ -32,10 +33,12 @@ def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(tiny_
     schedule = plan.schedule(8)[:12]
     assert len(schedule) > 3 * slots_needed(1, 1)
     dataset = StepDataset(str(tmp_path / "store"), plan, spec)
+    rings, with_slots = [], StepDataset.with_slots  # the ring the feed hands the workers' copy of the dataset
+    monkeypatch.setattr(StepDataset, "with_slots", lambda self, slots: rings.append(slots) or with_slots(self, slots))
     device = torch.device("cuda")
     got = []
     for epoch, k, batch in device_batches(dataset, schedule, workers, device, prefetch=prefetch):
-        assert all(buffer.is_pinned() for buffer in dataset.slots.buffers)
+        assert all(buffer.is_pinned() for buffer in rings[0].buffers)
         torch.cuda._sleep(20_000_000)  # ~10 ms of "step" queued on the current stream
         got.append((epoch, k, batch))
     assert [(e, k) for e, k, _ in got] == schedule and dataset.slots is None

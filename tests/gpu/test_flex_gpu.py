@@ -8,9 +8,10 @@ Errors are relative: max |a - b| / max |b|.
 import pytest
 import torch
 
-from dflash_pipeline.shared import attention as A
-from dflash_pipeline.shared.blocks import build_blocks, sample_anchors
-from dflash_pipeline.shared.drafter import DFlashConfig, DFlashDrafter
+from dflash_pipeline.shared.model import attention as A
+from dflash_pipeline.shared.model.blocks import build_blocks, sample_anchors
+from dflash_pipeline.shared.model.config import DFlashConfig
+from dflash_pipeline.shared.model.drafter import DFlashDrafter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -1,4 +1,4 @@
-"""The DFlash drafter (Qwen3-style `DFlashDraftModel`), its config, and the frozen target head.
+"""The DFlash drafter (Qwen3-style `DFlashDraftModel`): its layers, cache, and files.
 
 Architecture (as the z-lab/dflash reference): `fc` (Linear n_layers*hidden -> hidden, no bias) and
 `hidden_norm` turn the concatenated target hidden states of the context into one context feature;
@@ -20,30 +20,24 @@ reference, which borrows them from the live target, expects.
 
 from __future__ import annotations
 
-import copy
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflash_pipeline.shared import attention as attn
-from dflash_pipeline.shared.blocks import compute_logits
-from dflash_pipeline.shared.errors import UserError, first_line
+from dflash_pipeline.shared.model import attention as attn
+from dflash_pipeline.shared.model.config import CONFIG_FILE, DFlashConfig
+from dflash_pipeline.shared.model.loss import compute_logits
+from dflash_pipeline.shared.runtime.errors import UserError, first_line
 
-__all__ = [
-    "DFlashConfig", "DFlashDrafter", "DrafterCache", "DrafterError", "TargetHead", "compute_logits",
-    "default_target_layer_ids",
-]
+__all__ = ["DFlashDrafter", "DrafterCache", "DrafterError"]
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-HEAD_FILE = "target_head.safetensors"
 
 
 class DrafterError(UserError, ValueError):
@@ -51,216 +45,6 @@ class DrafterError(UserError, ValueError):
 
 
 BACKENDS = ("flex_compiled", "flex_eager", "sdpa_dense")
-
-
-def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
-    """Target layers whose outputs feed the drafter: `n` evenly spaced from 1 to L-3, rounded as the
-    released drafters (52 layers -> 1, 13, 25, 37, 49; 36 -> 1, 9, 17, 25, 33); one layer -> L // 2.
-
-    Targets too small for n distinct layers in [1, L-3] use [1, L-2] (the last layer is avoided:
-    HF replaces its hidden state by the final-normed one), and fewer than n ids if even that is
-    too narrow: 4 layers -> [1, 2]; 2 or 3 layers -> [1]; 1 layer -> [0].
-    """
-    if num_target_layers < 1 or n < 1:
-        raise ValueError(f"need at least one target layer and one id, got {num_target_layers} layers, n={n}")
-    if n == 1:
-        return [num_target_layers // 2]
-    lo, hi = 1, num_target_layers - 3
-    if hi - lo + 1 < n:
-        lo = min(1, num_target_layers - 1)
-        hi = max(lo, num_target_layers - 2)
-    count = min(n, hi - lo + 1)
-    if count == 1:
-        return [lo]
-    ids = [int(round(lo + i * (hi - lo) / (count - 1))) for i in range(count)]
-    return sorted(set(ids))
-
-
-@dataclass
-class DFlashConfig:
-    """Drafter hyper-parameters; `to_hf_dict`/`from_hf_dict` map to the reference config.json."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int
-    mask_token_id: int
-    target_layer_ids: list[int]
-    num_hidden_layers: int = 5
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_parameters: dict[str, Any] | None = None  # HF 5.x form; default {"rope_type": "default", "rope_theta": ...}
-    max_position_embeddings: int = 40960
-    block_size: int = 16
-    sliding_window: int | None = None
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
-    input_embedding_scale: float = 1.0
-    attention_bias: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on round trip
-
-    def __post_init__(self) -> None:
-        if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
-        else:
-            self.rope_parameters = copy.deepcopy(dict(self.rope_parameters))
-            self.rope_parameters.setdefault("rope_type", "default")
-            self.rope_theta = float(self.rope_parameters.setdefault("rope_theta", float(self.rope_theta)))
-        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids is empty")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.attention_bias:
-            raise ValueError("attention_bias=True is not supported (the released drafters have none)")
-
-    @property
-    def context_width(self) -> int:
-        """Width of the stored context feature: n_layers * hidden."""
-        return len(self.target_layer_ids) * self.hidden_size
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """config.json as the reference (`DFlashDraftModel` on a `Qwen3Config`) loads it."""
-        window = self.sliding_window
-        dflash: dict[str, Any] = {
-            "block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-            "output_multiplier": self.output_multiplier,
-            "input_embedding_scale": self.input_embedding_scale,
-        }
-        if self.final_logit_softcapping is not None:
-            dflash["final_logit_softcapping"] = self.final_logit_softcapping
-        out: dict[str, Any] = dict(self.extra)
-        out.update({
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "is_causal": False,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": copy.deepcopy(self.rope_parameters),
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,  # older reference versions read it here, newer in dflash_config
-            "layer_types": ["sliding_attention" if window else "full_attention"] * self.num_hidden_layers,
-            "use_sliding_window": bool(window),
-            "sliding_window": window,
-            "max_window_layers": self.num_hidden_layers,
-            "tie_word_embeddings": False,
-            "use_cache": False,
-            "initializer_range": 0.02,
-            "dflash_config": dflash,
-        })
-        return out
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
-        """Inverse of `to_hf_dict`; `dflash_config` values win over top-level ones (as the reference)."""
-        dflash = d.get("dflash_config") or {}
-
-        def value(name: str, default: Any = None) -> Any:
-            return dflash.get(name, d.get(name, default))
-
-        missing = [k for k in ("target_layer_ids", "mask_token_id") if value(k) is None]
-        missing += [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in d]
-        if missing:
-            raise ValueError(f"drafter config lacks {', '.join(missing)}")
-        heads = d["num_attention_heads"]
-        window = d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window") is not None) else None
-        layer_types = d.get("layer_types")
-        if layer_types and "sliding_attention" not in layer_types:
-            window = None
-        known = {f.name for f in fields(cls)} | {
-            "architectures", "model_type", "is_causal", "attention_dropout", "hidden_act", "layer_types",
-            "use_sliding_window", "max_window_layers", "tie_word_embeddings", "use_cache", "initializer_range",
-            "dflash_config", "dtype", "torch_dtype", "transformers_version", "rope_scaling",
-        }
-        return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            vocab_size=d["vocab_size"],
-            num_target_layers=d.get("num_target_layers", 0),
-            mask_token_id=int(value("mask_token_id")),
-            target_layer_ids=list(value("target_layer_ids")),
-            num_hidden_layers=d.get("num_hidden_layers", 5),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0),
-            rope_parameters=d.get("rope_parameters"),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            block_size=int(value("block_size", 16)),
-            sliding_window=window,
-            output_multiplier=float(value("output_multiplier", 1.0)),
-            final_logit_softcapping=value("final_logit_softcapping"),
-            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            extra={k: v for k, v in d.items() if k not in known},
-        )
-
-    @classmethod
-    def for_target(
-        cls,
-        target_config: Any,
-        layer_ids: list[int],
-        *,
-        mask_token_id: int,
-        num_layers: int = 5,
-        block_size: int = 16,
-        **overrides: Any,
-    ) -> "DFlashConfig":
-        """A drafter shaped like the target (hidden size, heads, head_dim, MLP width, RoPE, eps,
-        vocab), as the released drafters are. `target_config`: HF config object or its dict."""
-        if isinstance(target_config, dict):
-            t = dict(target_config)
-        else:
-            text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-            t = text.to_dict()
-        n_layers = t["num_hidden_layers"]
-        bad = [i for i in layer_ids if not 0 <= i < n_layers]
-        if bad:
-            raise ValueError(f"target layer ids {bad} outside the target's {n_layers} layers")
-        heads = t["num_attention_heads"]
-        rope = t.get("rope_parameters")
-        if not rope:  # transformers 4.x form
-            rope = dict(t.get("rope_scaling") or {})
-            rope.setdefault("rope_type", rope.pop("type", "default"))
-            rope["rope_theta"] = float(t.get("rope_theta", 10_000.0))
-        values: dict[str, Any] = dict(
-            hidden_size=t["hidden_size"],
-            intermediate_size=t["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=t.get("num_key_value_heads") or heads,
-            head_dim=t.get("head_dim") or t["hidden_size"] // heads,
-            vocab_size=t["vocab_size"],
-            num_target_layers=n_layers,
-            mask_token_id=mask_token_id,
-            target_layer_ids=list(layer_ids),
-            num_hidden_layers=num_layers,
-            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-            rope_parameters=rope,
-            max_position_embeddings=t.get("max_position_embeddings", 40960),
-            block_size=block_size,
-        )
-        values.update(overrides)
-        return cls(**values)
 
 
 class RMSNorm(nn.Module):
@@ -530,7 +314,7 @@ class DFlashDrafter(nn.Module):
         attention_backend: str = "flex_compiled",
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
-    ) -> "DFlashDrafter":
+    ) -> DFlashDrafter:
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
         if not directory.is_dir():
@@ -561,105 +345,3 @@ class DFlashDrafter(nn.Module):
                                f"{config_path.name} implies {tuple(model.state_dict()[wrong[0]].shape)}")
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype)
-
-
-def sort_safetensors_metadata(file: Path) -> None:
-    """Rewrite the header of a safetensors file with its `__metadata__` keys sorted, in place.
-
-    safetensors writes the metadata from a Rust HashMap, in an order that changes from run to run;
-    the store's `weights_fingerprint` hashes this file, so identical runs must write identical bytes.
-    Tensor entries keep their (deterministic) order; the header keeps its length (space padded).
-    """
-    with open(file, "r+b") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-        if "__metadata__" in header:
-            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-        body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(body) > size:
-            raise ValueError(f"{file}: sorted safetensors header is longer than the original")
-        f.seek(8)
-        f.write(body.ljust(size, b" "))
-
-
-class TargetHead(nn.Module):
-    """Frozen target pieces the drafter reuses: input embedding, LM head (may be tied: the same
-    tensor), final norm. Buffers, never trained, never saved with the drafter."""
-
-    def __init__(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None,
-                 norm: torch.Tensor | None = None, norm_eps: float = 1e-6):
-        super().__init__()
-        self.tied = lm_head is None or lm_head is embed_tokens
-        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
-        self.register_buffer("_untied_lm_head", None if self.tied else lm_head.detach(), persistent=False)
-        self.register_buffer("norm_weight", None if norm is None else norm.detach(), persistent=False)
-        self.norm_eps = norm_eps
-
-    @property
-    def lm_head(self) -> torch.Tensor:
-        """LM-head weight [vocab, hidden]; the embedding tensor itself when tied."""
-        return self.embed_tokens if self.tied else self._untied_lm_head
-
-    def embed(self, ids: torch.Tensor, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Block embeddings: target input embedding of `ids` times `input_embedding_scale`."""
-        out = F.embedding(ids, self.embed_tokens)
-        out = out if dtype is None else out.to(dtype)
-        return out * scale if scale != 1.0 else out
-
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The target's final RMSNorm (the drafter does not use it; kept for evaluation tools)."""
-        if self.norm_weight is None:
-            raise ValueError("this target head has no final norm")
-        dtype = h.dtype
-        x = h.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        return self.norm_weight * x.to(dtype)
-
-    @staticmethod
-    def _file(path: str | Path) -> Path:
-        path = Path(path)
-        return path if path.suffix == ".safetensors" else path / HEAD_FILE
-
-    @staticmethod
-    def save(
-        path: str | Path,
-        *,
-        embed_tokens: torch.Tensor,
-        lm_head: torch.Tensor | None = None,
-        norm: torch.Tensor | None = None,
-        norm_eps: float = 1e-6,
-        metadata: dict[str, str] | None = None,
-    ) -> Path:
-        """Write `target_head.safetensors` (path = that file or its folder); `lm_head` None or the
-        embedding tensor itself means tied: no `lm_head.weight` key, `tied: true` in metadata."""
-        file = TargetHead._file(path)
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tied = lm_head is None or lm_head is embed_tokens
-        tensors = {"embed_tokens.weight": embed_tokens}
-        if not tied:
-            tensors["lm_head.weight"] = lm_head
-        if norm is not None:
-            tensors["norm.weight"] = norm
-        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        meta = {**(metadata or {}), "tied": "true" if tied else "false", "norm_eps": repr(float(norm_eps))}
-        save_file(tensors, str(file), metadata=meta)
-        sort_safetensors_metadata(file)
-        return file
-
-    @classmethod
-    def load(cls, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> "TargetHead":
-        file = cls._file(path)
-        if not file.exists():
-            raise FileNotFoundError(f"{file}: target head not found (stage one writes it to the store's target/ folder)")
-        with safe_open(str(file), framework="pt") as f:
-            meta = f.metadata() or {}
-            names = set(f.keys())
-        tied = meta.get("tied", "false") == "true"
-        need = {"embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
-        if need - names:
-            raise ValueError(f"{file}: missing {sorted(need - names)} (tied={tied})")
-        t = load_file(str(file), device=str(device))
-        if dtype is not None:
-            t = {k: v.to(dtype) for k, v in t.items()}
-        embed = t["embed_tokens.weight"]
-        return cls(embed, None if tied else t["lm_head.weight"], t.get("norm.weight"), float(meta.get("norm_eps", 1e-6)))

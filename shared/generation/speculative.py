@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from dflash_pipeline.extract.target import HiddenStateCapture
-from dflash_pipeline.shared.drafter import DFlashDrafter, DrafterCache
 from dflash_pipeline.shared.generation.sampling import SamplingParams, filtered_probs
+from dflash_pipeline.shared.model.drafter import DFlashDrafter, DrafterCache
+from dflash_pipeline.shared.target.loading import HiddenStateCapture
 
 
 @dataclass

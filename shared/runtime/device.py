@@ -8,12 +8,13 @@ import os
 
 import click
 
-from dflash_pipeline.shared.errors import UserError
+from dflash_pipeline.shared.runtime.errors import UserError
 
 DEVICE_HELP = "auto: CUDA when a CUDA device is available, else the CPU."
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
 
 
-def device_option(choices: tuple[str, ...] | None = ("auto", "cuda", "cpu")):
+def device_option(choices: tuple[str, ...] | None = DEVICE_CHOICES):
     """The `--device` option; `choices=None` also takes an indexed device such as cuda:1."""
     return click.option("--device", type=click.Choice(choices) if choices else str, default="auto", help=DEVICE_HELP)
 
@@ -48,11 +49,21 @@ def resolve_device(cli: str, device: str) -> str:
     return device
 
 
-def gpus_on_cpu(gpus: tuple[int, ...], device: str) -> str | None:
-    """Why `--gpus` cannot apply when the run is on the CPU (explicitly, or for want of CUDA); None if it can."""
+def resolve_devices(device: str, gpus: tuple[int, ...], default_gpus: int) -> tuple[str, tuple[int, ...]]:
+    """The device and GPU ids a run uses: `auto` resolved, on CUDA the first `default_gpus` visible
+    GPUs when none are named. Refused (`DeviceUnavailable`): `--gpus` on a run that is on the CPU
+    (explicitly, or for want of CUDA), cuda without CUDA, a GPU id that does not exist."""
     import torch
 
-    if not gpus or (device != "cpu" and torch.cuda.is_available()):
-        return None
-    why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
-    return f"--gpus {','.join(map(str, gpus))}: this run is on the CPU ({why})"
+    if gpus and (device == "cpu" or not torch.cuda.is_available()):
+        why = "--device cpu" if torch.cuda.is_available() else "no CUDA device"
+        raise DeviceUnavailable(f"--gpus {','.join(map(str, gpus))}: this run is on the CPU ({why})")
+    device = pick_device(device)
+    if device != "cuda":
+        return device, ()
+    visible = torch.cuda.device_count()
+    if not gpus:
+        return device, tuple(range(min(default_gpus, visible)))
+    if bad := [g for g in gpus if g >= visible]:
+        raise DeviceUnavailable(f"--gpus: GPU {bad[0]} does not exist ({visible} visible)")
+    return device, tuple(gpus)

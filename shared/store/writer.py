@@ -1,4 +1,4 @@
-"""The feature store: per-rank Zarr v3 groups of token-major arrays, a crash-safe writer and a reader.
+"""The crash-safe writer of one rank's group of a feature store.
 
 Layout (docs/FORMAT.md has the bytes): `ROOT/shards/rank-XXXXX.zarr` holds `input_ids` int32 [T],
 `loss_mask` uint8 [T], `hidden_states` [T, W] (bfloat16 stored as its uint16 bit pattern),
@@ -17,33 +17,18 @@ committed once every one of its tokens is in a durable shard. After a crash, reo
 truncates logically to the commit point (the committed head of the partially written shard is read
 back into the buffer) and the caller recomputes the batches from number `resume()` on; the finished
 store is then identical to an uninterrupted run.
-
-Public API:
-- `StoreWriter(root, rank, *, hidden_width, hidden_dtype, capacity_tokens, capacity_samples, ...)`
-  opens or creates the rank's group; `resume() -> int` (committed batches), `committed`,
-  `append_batch(batch)`, `flush_shards()`, `finalize() -> ShardEntry`.
-- `finished_shards(root, world_size) -> (entries, layout)` from the progress records
-  (`manifest.mark_complete` uses it); `any_rank_committed(root)` (may a rerun with other settings
-  start over?).
-- `FeatureStore(root, *, require_complete=True)`: `len`, `lengths`, `num_tokens`, `store[i] -> Sample`,
-  `read_tokens(shard, start, stop)`, `read_raw`, `read_ids_and_mask`, `sample_span(i)`, `layer_ids`,
-  `hidden_size`, `hidden_width`, `hidden_dtype`, `manifest`, `root`.
-- `stores_equal(a, b)`: bit-exact, sample-for-sample comparison.
-- `parse_compression(spec)`, `default_chunking(hidden_width, hidden_dtype)`.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
-import math
-import os
 import shutil
 from collections import deque
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,91 +36,19 @@ import zarr
 import zarr.codecs
 from zarr.core.sync import sync
 
-from .durable import fsync_path, write_bytes_durably
-from .manifest import (
-    STORAGE_DTYPES,
-    Manifest,
-    ShardEntry,
-    StoreError,
-    StoreIncomplete,
-    StoreMismatch,
-    check_compatible,
-    load_manifest,
-)
-from .shard_io import ShardedArrayReader, ShardFormat, write_shards
+from dflash_pipeline.shared.runtime.durable import fsync_path, write_bytes_durably
+from dflash_pipeline.shared.store.codec import DEFAULT_COMPRESSION, codec_pool, default_chunking, parse_compression
+from dflash_pipeline.shared.store.errors import StoreError, StoreMismatch
+from dflash_pipeline.shared.store.layout import FORMAT_VERSION, SAMPLE_ARRAYS, TOKEN_ARRAYS, StoreLayout
+from dflash_pipeline.shared.store.manifest import STORAGE_DTYPES, TORCH_DTYPES
+from dflash_pipeline.shared.store.progress import ShardEntry, read_progress
+from dflash_pipeline.shared.store.shard_io import ShardFormat, write_shards
 
-FORMAT_VERSION = 1
-SHARDS_DIR = "shards"
-# bench/compression.py on real SmolLM2 bf16 activations: 1.18x smaller than `none` at ~1 GB/s encode
-# and ~2 GB/s decode per core; zstd:1 reaches 1.23x but encodes ~2x and decodes ~3x slower, which
-# would cost the extractor cores at ~1.3 GB/s per GPU and the trainer's loader far more.
-DEFAULT_COMPRESSION = "blosc-lz4:5:bitshuffle"
 # Chunk of the small per-sample arrays (sample_offsets, sample_index), in entries.
 SAMPLE_CHUNK = 16384
-TOKEN_ARRAYS = ("input_ids", "loss_mask", "hidden_states")
-SAMPLE_ARRAYS = ("sample_offsets", "sample_index")
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_BLOSC_CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
-_BLOSC_SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
-# Threads compressing shard chunks in a writer process (numcodecs releases the GIL): 8 keep up with
-# one GPU's ~1.3 GB/s of states at the default codec (0.6-1.5 GB/s per thread) with room to spare.
-CODEC_THREADS = min(8, os.cpu_count() or 1)
-_codec_pool: ThreadPoolExecutor | None = None
 # Shard files written at once by one writer, each on its own thread: while one waits in fsync the next
 # is compressed and copied to the page cache, and the disk sees several requests at a time.
 WRITE_STREAMS = 4
-
-
-def codec_pool() -> ThreadPoolExecutor:
-    """This process's chunk-compression threads (created on first use)."""
-    global _codec_pool
-    if _codec_pool is None:
-        _codec_pool = ThreadPoolExecutor(CODEC_THREADS, thread_name_prefix="dflash-codec")
-    return _codec_pool
-
-
-def _forget_codec_pool() -> None:
-    """A forked child inherits the pool object but not its threads: work sent to it would never run."""
-    global _codec_pool
-    _codec_pool = None
-
-
-os.register_at_fork(after_in_child=_forget_codec_pool)
-
-
-def rank_group_name(rank: int) -> str:
-    return f"{SHARDS_DIR}/rank-{rank:05d}.zarr"
-
-
-def progress_path(root: str | Path, rank: int) -> Path:
-    return Path(root) / SHARDS_DIR / f"rank-{rank:05d}.progress.json"
-
-
-def parse_compression(spec: str) -> list[Any]:
-    """Zarr v3 compressors for `none`, `zstd:<level>` or `blosc-<cname>:<level>:<shuffle>`."""
-    grammar = "expected 'none', 'zstd:<level>' or 'blosc-<cname>:<level>:<noshuffle|shuffle|bitshuffle>'"
-    parts = spec.strip().lower().split(":")
-    try:
-        if parts == ["none"]:
-            return []
-        if parts[0] == "zstd" and len(parts) == 2:
-            return [zarr.codecs.ZstdCodec(level=int(parts[1]))]
-        if parts[0].startswith("blosc-") and len(parts) == 3:
-            cname = parts[0].removeprefix("blosc-")
-            if cname in _BLOSC_CNAMES and parts[2] in _BLOSC_SHUFFLES:
-                return [zarr.codecs.BloscCodec(cname=cname, clevel=int(parts[1]), shuffle=parts[2])]
-    except ValueError:
-        pass
-    raise ValueError(f"compression {spec!r}: {grammar}")
-
-
-def default_chunking(hidden_width: int, hidden_dtype: str) -> tuple[int, int]:
-    """(chunk_tokens, shard_tokens): chunks of up to ~4 MiB (the unit of reads), shards of 64 chunks
-    up to ~256 MiB (the unit of writes and of files). Powers of two, so shards stay chunk-aligned."""
-    row_bytes = hidden_width * np.dtype(STORAGE_DTYPES[hidden_dtype]).itemsize
-    chunk = 1 << max(4, min(12, int(math.log2(max(1, (4 << 20) // row_bytes)))))
-    per_shard = 1 << max(0, min(6, int(math.log2(max(1, (256 << 20) // (row_bytes * chunk))))))
-    return chunk, chunk * per_shard
 
 
 @dataclass(frozen=True)
@@ -146,14 +59,6 @@ class Commit:
     samples: int
     tokens: int
     done: bool
-
-
-@dataclass
-class Sample:
-    input_ids: torch.Tensor  # int64 [S]
-    loss_mask: torch.Tensor  # bool [S]
-    hidden_states: torch.Tensor  # logical dtype [S, W]
-    sample_index: int
 
 
 def _fsync_path(path: Path) -> None:
@@ -184,7 +89,7 @@ class _ShardRows:
         self.n += take
         return take
 
-    def reuse(self, start: int) -> "_ShardRows":
+    def reuse(self, start: int) -> _ShardRows:
         self.start, self.n = start, 0
         return self
 
@@ -226,8 +131,8 @@ class StoreWriter:
         self._pool: ThreadPoolExecutor | None = None
         self.root = Path(root)
         self.rank = rank
-        self.group_dir = self.root / rank_group_name(rank)
-        self.progress_file = progress_path(root, rank)
+        self.group_dir = StoreLayout(root).rank_group(rank)
+        self.progress_file = StoreLayout(root).progress_file(rank)
         self.hidden_dtype = hidden_dtype
         self.storage_dtype = np.dtype(STORAGE_DTYPES[hidden_dtype])
         self.shard_tokens = shard_tokens
@@ -282,7 +187,7 @@ class StoreWriter:
         self._write_progress()
 
     def _reopen(self) -> None:
-        record = _read_progress(self.progress_file)
+        record = read_progress(self.progress_file)
         if record.get("layout") != self.layout:
             diff = sorted(k for k in self.layout if record.get("layout", {}).get(k) != self.layout[k])
             raise StoreMismatch(
@@ -381,7 +286,7 @@ class StoreWriter:
         if mask.shape != ids.shape or not (mask.dtype == np.bool_ or (mask.dtype.kind in "iu" and mask.max() <= 1 and mask.min() >= 0)):
             raise ValueError(f"{where}: loss_mask must be 0/1 of shape {ids.shape}, got {mask.dtype} {mask.shape}")
         if isinstance(hidden, torch.Tensor):
-            if hidden.device.type != "cpu" or hidden.dtype != _TORCH_DTYPES[self.hidden_dtype]:
+            if hidden.device.type != "cpu" or hidden.dtype != TORCH_DTYPES[self.hidden_dtype]:
                 raise ValueError(f"{where}: hidden must be a CPU {self.hidden_dtype} tensor, got {hidden.dtype} on {hidden.device}")
             hidden = hidden.contiguous()
             hidden = (hidden.view(torch.uint16) if self.hidden_dtype == "bfloat16" else hidden).numpy()
@@ -518,200 +423,5 @@ class StoreWriter:
             self._commit = Commit(self._batches, total_n, total_t, True)
             self._pending.clear()
             self._write_progress()
-        return ShardEntry(rank=self.rank, path=rank_group_name(self.rank), samples=self._commit.samples,
+        return ShardEntry(rank=self.rank, path=StoreLayout.rank_group_name(self.rank), samples=self._commit.samples,
                           tokens=self._commit.tokens)
-
-
-def _read_progress(path: Path) -> dict[str, Any]:
-    try:
-        record = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise StoreIncomplete(f"{path}: no progress record (this rank never started)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StoreError(f"{path}: corrupt progress record ({exc})") from None
-    if not isinstance(record, dict) or record.get("format_version") != FORMAT_VERSION:
-        raise StoreError(f"{path}: unknown progress record format (expected format_version {FORMAT_VERSION})")
-    return record
-
-
-def finished_shards(root: str | Path, world_size: int) -> tuple[list[ShardEntry], dict[str, Any]]:
-    """The shard list and the common layout of a finished store, from the ranks' progress records.
-
-    Raises StoreIncomplete naming the ranks that are not done, StoreMismatch if layouts differ.
-    """
-    entries, layouts, unfinished = [], [], []
-    for rank in range(world_size):
-        record = _read_progress(progress_path(root, rank))
-        if not record["done"]:
-            unfinished.append(str(rank))
-        layouts.append({k: v for k, v in record["layout"].items() if not k.startswith("capacity_")})
-        entries.append(ShardEntry(rank=rank, path=rank_group_name(rank), samples=record["samples"], tokens=record["tokens"]))
-    if unfinished:
-        raise StoreIncomplete(f"{root}: ranks {', '.join(unfinished)} have not finished")
-    if any(layout != layouts[0] for layout in layouts):
-        raise StoreMismatch(f"{root}: ranks were written with different layouts ({layouts})")
-    return entries, layouts[0] if layouts else {"compression": None, "chunk_tokens": None, "shard_tokens": None}
-
-
-def any_rank_committed(root: str | Path) -> bool:
-    """Whether some rank's progress record holds a committed batch or sample (an unreadable record
-    counts as one: it may): a store for which this is False holds nothing worth keeping."""
-    for path in sorted((Path(root) / SHARDS_DIR).glob("rank-*.progress.json")):
-        try:
-            record = _read_progress(path)
-        except StoreError:
-            return True
-        if record.get("batches") or record.get("samples"):
-            return True
-    return False
-
-
-class FeatureStore:
-    """Read-only view of a store in global sample order (shards by rank, samples in shard order).
-
-    Opening reads the manifest and each shard's small offset/index arrays; the zarr arrays themselves
-    are opened lazily in whichever process reads, so the object pickles into DataLoader workers.
-    With `require_complete=False` an unfinished store is readable up to each rank's commit point.
-    """
-
-    def __init__(self, root: str | Path, *, require_complete: bool = True) -> None:
-        self.root = Path(root)
-        self.manifest: Manifest = load_manifest(root)
-        check_compatible(self.manifest, require_complete=require_complete)
-        if self.manifest.complete:
-            entries = self.manifest.shards
-        else:
-            entries = []
-            for rank in range(self.manifest.world_size):
-                if progress_path(root, rank).exists():
-                    record = _read_progress(progress_path(root, rank))
-                    entries.append(ShardEntry(rank, rank_group_name(rank), record["samples"], record["tokens"]))
-        self.shards = entries
-        self._offsets: list[np.ndarray] = []
-        self._sample_index: list[np.ndarray] = []
-        for entry in entries:
-            group = zarr.open_group(self.root / entry.path, mode="r")
-            offsets = group["sample_offsets"][: entry.samples + 1]
-            hidden = group["hidden_states"]
-            if (offsets[-1] != entry.tokens or hidden.shape[1] != self.manifest.hidden_width
-                    or hidden.attrs.get("logical_dtype") != self.manifest.hidden_dtype):
-                raise StoreError(
-                    f"{self.root / entry.path}: shard disagrees with the manifest (tokens {offsets[-1]} vs "
-                    f"{entry.tokens}, width {hidden.shape[1]} vs {self.manifest.hidden_width}, "
-                    f"dtype {hidden.attrs.get('logical_dtype')} vs {self.manifest.hidden_dtype})"
-                )
-            self._offsets.append(offsets)
-            self._sample_index.append(group["sample_index"][: entry.samples])
-        self._first = np.cumsum([0] + [e.samples for e in entries]).tolist()  # global index of each shard's first sample
-        self.lengths = np.concatenate([np.diff(o) for o in self._offsets]) if entries else np.zeros(0, np.int64)
-        self._readers: list[dict[str, ShardedArrayReader]] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_readers"] = None
-        return state
-
-    def _shard_readers(self, shard: int) -> dict[str, ShardedArrayReader]:
-        if self._readers is None:
-            self._readers = [{name: ShardedArrayReader(self.root / entry.path / name) for name in TOKEN_ARRAYS}
-                             for entry in self.shards]
-        return self._readers[shard]
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return self.manifest.layer_ids
-
-    @property
-    def hidden_size(self) -> int:
-        return self.manifest.hidden_size
-
-    @property
-    def hidden_width(self) -> int:
-        return self.manifest.hidden_width
-
-    @property
-    def hidden_dtype(self) -> torch.dtype:
-        """The logical torch dtype of `Sample.hidden_states`."""
-        return _TORCH_DTYPES[self.manifest.hidden_dtype]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    def __len__(self) -> int:
-        return self._first[-1]
-
-    def _locate(self, i: int) -> tuple[int, int]:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"{self.root}: sample {i} out of range ({len(self)} samples)")
-        i %= len(self)
-        shard = bisect.bisect_right(self._first, i) - 1
-        return shard, i - self._first[shard]
-
-    def read_ids_and_mask(self, shard: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens [start, stop) of one shard without their hidden states: int32 ids, uint8 mask."""
-        if not 0 <= start <= stop <= self.shards[shard].tokens:
-            raise IndexError(f"{self.root}: tokens [{start}, {stop}) outside shard {shard} ({self.shards[shard].tokens} tokens)")
-        readers = self._shard_readers(shard)
-        return readers["input_ids"].read(start, stop), readers["loss_mask"].read(start, stop)
-
-    def read_raw(self, shard: int, start: int, stop: int, hidden_out: np.ndarray | None = None,
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Tokens [start, stop) of one shard as stored: int32 ids, uint8 mask, hidden in the storage
-        dtype (decoded into `hidden_out` when given: C-contiguous [stop-start, W])."""
-        ids, mask = self.read_ids_and_mask(shard, start, stop)
-        return ids, mask, self._shard_readers(shard)["hidden_states"].read(start, stop, hidden_out)
-
-    def read_tokens(self, shard: int, start: int, stop: int, hidden_out: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Contiguous tokens of one shard as tensors; `hidden_out` (a contiguous [stop-start, W] CPU
-        tensor of the logical dtype) receives the hidden states without an intermediate copy."""
-        bits = self.manifest.hidden_dtype == "bfloat16"
-        out = None if hidden_out is None else (hidden_out.view(torch.uint16) if bits else hidden_out).numpy()
-        ids, mask, stored = self.read_raw(shard, start, stop, out)
-        hidden = hidden_out
-        if hidden is None:
-            hidden = torch.from_numpy(stored).view(torch.bfloat16) if bits else torch.from_numpy(stored)
-        return torch.from_numpy(ids).long(), torch.from_numpy(mask).bool(), hidden
-
-    def sample_span(self, i: int) -> tuple[int, int, int, int]:
-        """(shard, start token, stop token, sample_index) of global sample i."""
-        shard, j = self._locate(i)
-        offsets = self._offsets[shard]
-        return shard, int(offsets[j]), int(offsets[j + 1]), int(self._sample_index[shard][j])
-
-    def __getitem__(self, i: int) -> Sample:
-        shard, start, stop, index = self.sample_span(i)
-        ids, mask, hidden = self.read_tokens(shard, start, stop)
-        return Sample(input_ids=ids, loss_mask=mask, hidden_states=hidden, sample_index=index)
-
-
-def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
-    """Bit equality (NaN payloads included), which `==` on floats is not."""
-    if x.dtype != y.dtype or x.shape != y.shape:
-        return False
-    return np.array_equal(x.view(f"u{x.dtype.itemsize}"), y.view(f"u{y.dtype.itemsize}"))
-
-
-def stores_equal(a: FeatureStore | str | Path, b: FeatureStore | str | Path) -> bool:
-    """True when both stores hold the same samples in the same order, bit for bit.
-
-    Stores with the same per-shard token counts are compared shard by shard in large contiguous
-    reads; otherwise (e.g. another world size) sample by sample.
-    """
-    a = a if isinstance(a, FeatureStore) else FeatureStore(a)
-    b = b if isinstance(b, FeatureStore) else FeatureStore(b)
-    if (len(a) != len(b) or a.manifest.hidden_dtype != b.manifest.hidden_dtype
-            or not np.array_equal(a.lengths, b.lengths)
-            or not np.array_equal(np.concatenate([np.zeros(0, np.int64), *a._sample_index]),
-                                  np.concatenate([np.zeros(0, np.int64), *b._sample_index]))):
-        return False
-    if [e.tokens for e in a.shards] == [e.tokens for e in b.shards]:
-        window = a.manifest.shard_tokens or 4096
-        spans = [((k, t, min(t + window, e.tokens)),) * 2 for k, e in enumerate(a.shards) for t in range(0, e.tokens, window)]
-    else:
-        spans = [(a.sample_span(i)[:3], b.sample_span(i)[:3]) for i in range(len(a))]
-    return all(
-        all(_same_bits(x, y) for x, y in zip(a.read_raw(*span_a), b.read_raw(*span_b)))
-        for span_a, span_b in spans
-    )

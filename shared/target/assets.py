@@ -6,24 +6,19 @@ and the evaluator never need the target checkpoint to build and train the drafte
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from dflash_pipeline.extract.target import TargetError, gguf_file_of, text_config
-from dflash_pipeline.shared.drafter import TargetHead
-from dflash_pipeline.shared.durable import replace_dir_durably
-from dflash_pipeline.shared.errors import first_line
-
-TARGET_DIR = "target"
-HEAD_FILE = "target_head.safetensors"
-
+from dflash_pipeline.shared.model.target_head import TargetHead
+from dflash_pipeline.shared.runtime.durable import replace_dir_durably
+from dflash_pipeline.shared.runtime.errors import first_line
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.target.loading import TargetError, gguf_file_of, text_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -45,7 +40,7 @@ def load_tokenizer(target: str | Path) -> PreTrainedTokenizerBase:
 
 
 def target_assets_ready(root: Path) -> bool:
-    return (root / TARGET_DIR / HEAD_FILE).exists()
+    return StoreLayout(root).target_head.exists()
 
 
 def export_target_assets(
@@ -55,13 +50,13 @@ def export_target_assets(
 
     `model` may be the truncated target: its embedding, head and norm are the real ones.
     """
-    final = root / TARGET_DIR
-    tmp = root / f"{TARGET_DIR}.tmp-{os.getpid()}"
+    final = StoreLayout(root).target_dir
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_target_head(model, target_config, tmp / HEAD_FILE)
+    save_target_head(model, target_config, tmp / StoreLayout.HEAD)
     target_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp / "tokenizer")
+    tokenizer.save_pretrained(tmp / StoreLayout.TOKENIZER)
     replace_dir_durably(tmp, final)
     return final
 
@@ -82,23 +77,3 @@ def save_target_head(model: nn.Module, target_config: PretrainedConfig, file: Pa
         norm=cast(norm.weight),
         norm_eps=float(getattr(norm, "variance_epsilon", getattr(config, "rms_norm_eps", 1e-6))),
     )
-
-
-def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def weights_fingerprint(root: Path) -> str:
-    """Identity of the target's weights as far as the drafter sees them (its frozen head)."""
-    return file_sha256(root / TARGET_DIR / HEAD_FILE)
-
-
-def model_weights_fingerprint(model: nn.Module, target_config: PretrainedConfig, dtype: torch.dtype) -> str:
-    """`weights_fingerprint` of a loaded target: the same bytes a store made from it holds, in the
-    store's head dtype (a cast to a wider dtype and back is exact, so any load dtype works)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        return file_sha256(save_target_head(model, target_config, Path(tmp) / HEAD_FILE, dtype))

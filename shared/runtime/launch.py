@@ -11,12 +11,13 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
-from dflash_pipeline.shared.errors import UserError, debugging, first_line
-from dflash_pipeline.shared.progress import close_progress_bars
+from dflash_pipeline.shared.runtime.errors import UserError, debugging, first_line
+from dflash_pipeline.shared.runtime.progress import close_progress_bars
 
 
 class RankFailed(RuntimeError):
@@ -38,7 +39,7 @@ def _child(rank: int, fn: Callable[..., Any], args: tuple, results) -> None:
         if debugging() or not isinstance(exc, UserError):
             traceback.print_exc()
         results.put((rank, "error", first_line(exc)))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), env: dict[str, str] | None = None) -> list[Any]:

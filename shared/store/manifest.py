@@ -22,32 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_pipeline.shared.errors import UserError
+import torch
 
-from .durable import write_bytes_durably
-
-FORMAT_VERSION = 1
-MANIFEST_FILE = "manifest.json"
-TARGET_DIR = "target"
+from dflash_pipeline.shared.runtime.durable import write_bytes_durably
+from dflash_pipeline.shared.store.errors import ManifestError, StoreError, StoreIncomplete, StoreMismatch
+from dflash_pipeline.shared.store.layout import FORMAT_VERSION, StoreLayout
+from dflash_pipeline.shared.store.progress import ShardEntry, finished_shards
 
 # The physical zarr dtype that carries each logical hidden-state dtype (zarr 3.1 has no bfloat16).
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-
-class StoreError(UserError):
-    """Base of the errors a feature store raises; messages are one line naming the store."""
-
-
-class ManifestError(StoreError):
-    """The manifest is missing, unreadable, or of an unknown format version."""
-
-
-class StoreIncomplete(StoreError):
-    """The store has not been finished (an extraction is running, crashed, or was interrupted)."""
-
-
-class StoreMismatch(StoreError):
-    """The store was made from another target, layer set or layout than the one asked for."""
+__all__ = ["Manifest", "ManifestError", "STORAGE_DTYPES", "ShardEntry", "StoreError", "TORCH_DTYPES", "StoreIncomplete", "StoreMismatch",
+           "check_compatible", "load_manifest", "mark_complete", "new_manifest", "resume_differences", "write_manifest"]
 
 
 def utc_now() -> str:
@@ -56,16 +43,6 @@ def utc_now() -> str:
 
 # Keys of `Manifest.target`; `weights_fingerprint` is filled when the store is marked complete.
 TARGET_KEYS = ("name_or_path", "architecture", "config_hash", "num_layers", "hidden_size", "layer_ids", "vocab_size")
-
-
-@dataclass
-class ShardEntry:
-    """One rank's zarr group, relative to the store root, and what it holds once finished."""
-
-    rank: int
-    path: str
-    samples: int
-    tokens: int
 
 
 @dataclass
@@ -84,7 +61,7 @@ class Manifest:
     compression: str | None = None
     chunk_tokens: int | None = None
     shard_tokens: int | None = None
-    target_dir: str = TARGET_DIR
+    target_dir: str = StoreLayout.TARGET
     format_version: int = FORMAT_VERSION
     # Where the manifest was loaded from; used in error messages, never serialized.
     root: str | None = field(default=None, compare=False, repr=False)
@@ -194,15 +171,15 @@ def write_manifest(root: str | Path, manifest: Manifest) -> None:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     payload = json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode() + b"\n"
-    write_bytes_durably(root / MANIFEST_FILE, payload)
+    write_bytes_durably(StoreLayout(root).manifest, payload)
 
 
 def load_manifest(root: str | Path) -> Manifest:
-    path = Path(root) / MANIFEST_FILE
+    path = StoreLayout(root).manifest
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise ManifestError(f"{root}: no {MANIFEST_FILE} (not a feature store, or extraction never started)") from None
+        raise ManifestError(f"{root}: no {StoreLayout.MANIFEST} (not a feature store, or extraction never started)") from None
     try:
         d = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -223,8 +200,6 @@ def mark_complete(
     """Seal the store: check `shards` against the ranks' progress records (every rank done, same
     counts), record the layout they were written with, and write the manifest with `complete: true`.
     This write is the store's commit point."""
-    from .store import finished_shards  # store.py builds on this module; the import is only needed here
-
     given = sorted((s if isinstance(s, ShardEntry) else ShardEntry(**s) for s in shards), key=lambda s: s.rank)
     on_disk, layout = finished_shards(root, manifest.world_size)
     if given != on_disk:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -33,8 +34,8 @@ def cli_errors(cli: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a click command's function (below its options): adds `--debug`, and prints a
     `UserError` (or a failed worker rank) as `<cli>: error: <line>` with exit code 1. Usage errors
     stay click's (exit code 2)."""
-    from dflash_pipeline.shared.launch import RankFailed
-    from dflash_pipeline.shared.progress import close_progress_bars
+    from dflash_pipeline.shared.runtime.launch import RankFailed
+    from dflash_pipeline.shared.runtime.progress import close_progress_bars
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)

@@ -8,8 +8,6 @@ sidesteps the `output_hidden_states` rule that replaces the last entry by the fi
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from dflash_pipeline.shared.errors import UserError
-
-# Config keys that describe how a checkpoint was saved or run, not what the network computes.
-_VOLATILE_CONFIG_KEYS = {
-    "_name_or_path",
-    "transformers_version",
-    "torch_dtype",
-    "dtype",
-    "use_cache",
-    "attn_implementation",
-    "_attn_implementation",
-    "_attn_implementation_autoset",
-    "architectures",
-    "output_hidden_states",
-    "return_dict",
-}
+from dflash_pipeline.shared.runtime.errors import UserError
 
 
 class TargetError(UserError, ValueError):
@@ -63,13 +46,6 @@ def load_target_config(target: str | Path) -> PretrainedConfig:
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The decoder config of a (possibly multimodal) target."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def config_hash(config: PretrainedConfig) -> str:
-    """A hash of what the target computes: the config minus save/run-time keys."""
-    items = {k: v for k, v in text_config(config).to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    blob = json.dumps(items, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()
 
 
 def parse_layer_ids(spec: str | None, num_layers: int, default: list[int]) -> list[int]:

@@ -288,7 +288,7 @@ def compiled_graph_count() -> int:
 class CompileCounter:
     """`with CompileCounter() as c: ...; c.count` = graphs compiled inside the block."""
 
-    def __enter__(self) -> "CompileCounter":
+    def __enter__(self) -> CompileCounter:
         self._start = compiled_graph_count()
         return self
 

@@ -9,7 +9,9 @@ store's dtype). A trained drafter carries them in `target_identity.json` beside 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,9 +20,27 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from dflash_pipeline.shared.drafter import DFlashConfig
-from dflash_pipeline.shared.durable import write_bytes_durably
-from dflash_pipeline.shared.errors import UserError
+from dflash_pipeline.shared.model.config import DFlashConfig
+from dflash_pipeline.shared.runtime.durable import write_bytes_durably
+from dflash_pipeline.shared.runtime.errors import UserError
+from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.target.assets import save_target_head
+from dflash_pipeline.shared.target.loading import text_config
+
+# Config keys that describe how a checkpoint was saved or run, not what the network computes.
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "attn_implementation",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "architectures",
+    "output_hidden_states",
+    "return_dict",
+}
 
 IDENTITY_FILE = "target_identity.json"
 
@@ -37,9 +57,9 @@ class TargetIdentity:
     head_dtype: str  # the dtype the fingerprinted head file holds, e.g. "bfloat16"
 
     @classmethod
-    def of_store(cls, store_root: str | Path, target: dict) -> "TargetIdentity":
+    def of_store(cls, store_root: str | Path, target: dict) -> TargetIdentity:
         """The identity a store's manifest records (`target`: `Manifest.target`)."""
-        head = Path(store_root) / "target" / "target_head.safetensors"
+        head = StoreLayout(store_root).target_head
         with safe_open(str(head), framework="pt") as f:
             dtype = str(f.get_slice("embed_tokens.weight").get_dtype())
         return cls(str(target.get("name_or_path", "")), target["config_hash"], target.get("weights_fingerprint", ""),
@@ -49,7 +69,7 @@ class TargetIdentity:
         write_bytes_durably(Path(folder) / IDENTITY_FILE, (json.dumps(asdict(self), indent=1) + "\n").encode())
 
     @classmethod
-    def load(cls, folder: str | Path) -> "TargetIdentity | None":
+    def load(cls, folder: str | Path) -> TargetIdentity | None:
         """The identity saved beside a drafter; None for a drafter from elsewhere (none recorded)."""
         path = Path(folder) / IDENTITY_FILE
         if not path.exists():
@@ -72,8 +92,7 @@ def check_config(identity: TargetIdentity, what: str, target: str, config_hash: 
 def check_weights(identity: TargetIdentity, what: str, target: str, model: nn.Module | None = None) -> None:
     """Refuse a target of the same config but other weights. `model`: the target, if already loaded
     (used when its dtype holds the head dtype exactly); otherwise only its first layer is loaded."""
-    from dflash_pipeline.extract.assets import model_weights_fingerprint
-    from dflash_pipeline.extract.target import load_target_config, load_truncated_target
+    from dflash_pipeline.shared.target.loading import load_target_config, load_truncated_target
 
     if not identity.weights_fingerprint:
         return
@@ -91,8 +110,6 @@ def check_weights(identity: TargetIdentity, what: str, target: str, model: nn.Mo
 def check_drafter_fits(drafter: DFlashConfig, drafter_path: str, target: str, target_config: PretrainedConfig) -> None:
     """Refuse a drafter whose shape cannot read this target's hidden states (another architecture or
     size) - the check that still applies to a drafter with no recorded identity."""
-    from dflash_pipeline.extract.target import text_config
-
     t = text_config(target_config)
     problems = []
     if max(drafter.target_layer_ids) >= t.num_hidden_layers:
@@ -103,3 +120,30 @@ def check_drafter_fits(drafter: DFlashConfig, drafter_path: str, target: str, ta
         problems.append(f"vocabulary {drafter.vocab_size}, the target's is {t.vocab_size}")
     if problems:
         raise TargetMismatch(f"{drafter_path}: made for another target than {target}: " + "; ".join(problems))
+
+
+def config_hash(config: PretrainedConfig) -> str:
+    """A hash of what the target computes: the config minus save/run-time keys."""
+    items = {k: v for k, v in text_config(config).to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    blob = json.dumps(items, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_fingerprint(root: Path) -> str:
+    """Identity of the target's weights as far as the drafter sees them (its frozen head)."""
+    return file_sha256(StoreLayout(root).target_head)
+
+
+def model_weights_fingerprint(model: nn.Module, target_config: PretrainedConfig, dtype: torch.dtype) -> str:
+    """`weights_fingerprint` of a loaded target: the same bytes a store made from it holds, in the
+    store's head dtype (a cast to a wider dtype and back is exact, so any load dtype works)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return file_sha256(save_target_head(model, target_config, Path(tmp) / StoreLayout.HEAD, dtype))

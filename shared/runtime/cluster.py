@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dflash_pipeline.shared.errors import UserError
+from dflash_pipeline.shared.runtime.errors import UserError
 
 _KEY = "dflash/"
 _POLL_S = 0.2

@@ -28,7 +28,7 @@ import google_crc32c
 import numcodecs
 import numpy as np
 
-from dflash_pipeline.shared.errors import UserError
+from dflash_pipeline.shared.runtime.errors import UserError
 
 EMPTY = np.uint64(2**64 - 1)  # index entry of a chunk that is not stored (all fill value)
 _SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}

@@ -9,8 +9,15 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from dflash_pipeline.data import (DataError, ReadStats, Record, iter_records, sample_corpus_path,
-                         tokenize_record, tokenize_records)
+from dflash_pipeline.data import (
+    DataError,
+    ReadStats,
+    Record,
+    iter_records,
+    sample_corpus_path,
+    tokenize_record,
+    tokenize_records,
+)
 from dflash_pipeline.data.tiny_target import CHATML_TEMPLATE
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]

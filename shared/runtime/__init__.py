@@ -1,0 +1,1 @@
+"""How the stages run: processes and ranks, devices, errors a user can cause, progress, durable writes, run settings."""

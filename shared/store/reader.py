@@ -1,0 +1,177 @@
+"""Reading a feature store: a read-only view of its samples in global order, and bit-exact comparison."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from dflash_pipeline.shared.store.errors import StoreError
+from dflash_pipeline.shared.store.layout import TOKEN_ARRAYS, StoreLayout
+from dflash_pipeline.shared.store.manifest import TORCH_DTYPES, Manifest, check_compatible, load_manifest
+from dflash_pipeline.shared.store.progress import ShardEntry, read_progress
+from dflash_pipeline.shared.store.shard_io import ShardedArrayReader
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # int64 [S]
+    loss_mask: torch.Tensor  # bool [S]
+    hidden_states: torch.Tensor  # logical dtype [S, W]
+    sample_index: int
+
+
+class FeatureStore:
+    """Read-only view of a store in global sample order (shards by rank, samples in shard order).
+
+    Opening reads the manifest and each shard's small offset/index arrays; the zarr arrays themselves
+    are opened lazily in whichever process reads, so the object pickles into DataLoader workers.
+    With `require_complete=False` an unfinished store is readable up to each rank's commit point.
+    """
+
+    def __init__(self, root: str | Path, *, require_complete: bool = True) -> None:
+        self.root = Path(root)
+        self.manifest: Manifest = load_manifest(root)
+        check_compatible(self.manifest, require_complete=require_complete)
+        if self.manifest.complete:
+            entries = self.manifest.shards
+        else:
+            entries = []
+            for rank in range(self.manifest.world_size):
+                if (progress := StoreLayout(root).progress_file(rank)).exists():
+                    record = read_progress(progress)
+                    entries.append(ShardEntry(rank, StoreLayout.rank_group_name(rank), record["samples"], record["tokens"]))
+        self.shards = entries
+        self._offsets: list[np.ndarray] = []
+        self._sample_index: list[np.ndarray] = []
+        for entry in entries:
+            group = zarr.open_group(self.root / entry.path, mode="r")
+            offsets = group["sample_offsets"][: entry.samples + 1]
+            hidden = group["hidden_states"]
+            if (offsets[-1] != entry.tokens or hidden.shape[1] != self.manifest.hidden_width
+                    or hidden.attrs.get("logical_dtype") != self.manifest.hidden_dtype):
+                raise StoreError(
+                    f"{self.root / entry.path}: shard disagrees with the manifest (tokens {offsets[-1]} vs "
+                    f"{entry.tokens}, width {hidden.shape[1]} vs {self.manifest.hidden_width}, "
+                    f"dtype {hidden.attrs.get('logical_dtype')} vs {self.manifest.hidden_dtype})"
+                )
+            self._offsets.append(offsets)
+            self._sample_index.append(group["sample_index"][: entry.samples])
+        self._first = np.cumsum([0] + [e.samples for e in entries]).tolist()  # global index of each shard's first sample
+        self.lengths = np.concatenate([np.diff(o) for o in self._offsets]) if entries else np.zeros(0, np.int64)
+        self._readers: list[dict[str, ShardedArrayReader]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_readers"] = None
+        return state
+
+    def _shard_readers(self, shard: int) -> dict[str, ShardedArrayReader]:
+        if self._readers is None:
+            self._readers = [{name: ShardedArrayReader(self.root / entry.path / name) for name in TOKEN_ARRAYS}
+                             for entry in self.shards]
+        return self._readers[shard]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.manifest.layer_ids
+
+    @property
+    def hidden_size(self) -> int:
+        return self.manifest.hidden_size
+
+    @property
+    def hidden_width(self) -> int:
+        return self.manifest.hidden_width
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The logical torch dtype of `Sample.hidden_states`."""
+        return TORCH_DTYPES[self.manifest.hidden_dtype]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def __len__(self) -> int:
+        return self._first[-1]
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"{self.root}: sample {i} out of range ({len(self)} samples)")
+        i %= len(self)
+        shard = bisect.bisect_right(self._first, i) - 1
+        return shard, i - self._first[shard]
+
+    def read_ids_and_mask(self, shard: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [start, stop) of one shard without their hidden states: int32 ids, uint8 mask."""
+        if not 0 <= start <= stop <= self.shards[shard].tokens:
+            raise IndexError(f"{self.root}: tokens [{start}, {stop}) outside shard {shard} ({self.shards[shard].tokens} tokens)")
+        readers = self._shard_readers(shard)
+        return readers["input_ids"].read(start, stop), readers["loss_mask"].read(start, stop)
+
+    def read_raw(self, shard: int, start: int, stop: int, hidden_out: np.ndarray | None = None,
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Tokens [start, stop) of one shard as stored: int32 ids, uint8 mask, hidden in the storage
+        dtype (decoded into `hidden_out` when given: C-contiguous [stop-start, W])."""
+        ids, mask = self.read_ids_and_mask(shard, start, stop)
+        return ids, mask, self._shard_readers(shard)["hidden_states"].read(start, stop, hidden_out)
+
+    def read_tokens(self, shard: int, start: int, stop: int, hidden_out: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Contiguous tokens of one shard as tensors; `hidden_out` (a contiguous [stop-start, W] CPU
+        tensor of the logical dtype) receives the hidden states without an intermediate copy."""
+        bits = self.manifest.hidden_dtype == "bfloat16"
+        out = None if hidden_out is None else (hidden_out.view(torch.uint16) if bits else hidden_out).numpy()
+        ids, mask, stored = self.read_raw(shard, start, stop, out)
+        hidden = hidden_out
+        if hidden is None:
+            hidden = torch.from_numpy(stored).view(torch.bfloat16) if bits else torch.from_numpy(stored)
+        return torch.from_numpy(ids).long(), torch.from_numpy(mask).bool(), hidden
+
+    def sample_span(self, i: int) -> tuple[int, int, int, int]:
+        """(shard, start token, stop token, sample_index) of global sample i."""
+        shard, j = self._locate(i)
+        offsets = self._offsets[shard]
+        return shard, int(offsets[j]), int(offsets[j + 1]), int(self._sample_index[shard][j])
+
+    def __getitem__(self, i: int) -> Sample:
+        shard, start, stop, index = self.sample_span(i)
+        ids, mask, hidden = self.read_tokens(shard, start, stop)
+        return Sample(input_ids=ids, loss_mask=mask, hidden_states=hidden, sample_index=index)
+
+
+def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    """Bit equality (NaN payloads included), which `==` on floats is not."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    return np.array_equal(x.view(f"u{x.dtype.itemsize}"), y.view(f"u{y.dtype.itemsize}"))
+
+
+def stores_equal(a: FeatureStore | str | Path, b: FeatureStore | str | Path) -> bool:
+    """True when both stores hold the same samples in the same order, bit for bit.
+
+    Stores with the same per-shard token counts are compared shard by shard in large contiguous
+    reads; otherwise (e.g. another world size) sample by sample.
+    """
+    a = a if isinstance(a, FeatureStore) else FeatureStore(a)
+    b = b if isinstance(b, FeatureStore) else FeatureStore(b)
+    if (len(a) != len(b) or a.manifest.hidden_dtype != b.manifest.hidden_dtype
+            or not np.array_equal(a.lengths, b.lengths)
+            or not np.array_equal(np.concatenate([np.zeros(0, np.int64), *a._sample_index]),
+                                  np.concatenate([np.zeros(0, np.int64), *b._sample_index]))):
+        return False
+    if [e.tokens for e in a.shards] == [e.tokens for e in b.shards]:
+        window = a.manifest.shard_tokens or 4096
+        spans = [((k, t, min(t + window, e.tokens)),) * 2 for k, e in enumerate(a.shards) for t in range(0, e.tokens, window)]
+    else:
+        spans = [(a.sample_span(i)[:3], b.sample_span(i)[:3]) for i in range(len(a))]
+    return all(
+        all(_same_bits(x, y) for x, y in zip(a.read_raw(*span_a), b.read_raw(*span_b)))
+        for span_a, span_b in spans
+    )
