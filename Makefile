@@ -17,7 +17,7 @@ EXTRACT_ARGS ?=
 TRAIN_ARGS   ?=
 CONFIG_FLAG  := $(if $(CONFIG),--config $(CONFIG),)
 
-.PHONY: install test demo extract train pipeline report clean-demo
+.PHONY: install test lint format demo extract train pipeline report clean-demo
 
 install: $(VENV)/.installed
 
@@ -28,8 +28,17 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest -q
+
+# ruff (pinned in the test extras): lint, and the formatting check; `make format` rewrites.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 demo: install
 	$(BIN)/python -m dflash_pipeline.demo --out runs/demo

@@ -30,15 +30,39 @@ LIMIT = 60 * 2**20  # per folder: the 64 MiB upload also carries the repository 
 # pure python gguf and what it imports at load time (numpy and tqdm are on the image already)
 EXTRA_WHEELS = ("gguf", "pyyaml")
 # the GPU image: CPython 3.12 on x86_64 Linux
-PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
-            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
+PLATFORM = [
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--platform",
+    "manylinux_2_17_x86_64",
+    "--platform",
+    "manylinux2014_x86_64",
+]
 
 
 def download_wheels(dest: Path) -> list[Path]:
     """Wheels of EXTRA_WHEELS for the GPU image, at the versions installed here (known to work)."""
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in EXTRA_WHEELS]
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                    *PLATFORM, "--dest", str(dest), *pins], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            *PLATFORM,
+            "--dest",
+            str(dest),
+            *pins,
+        ],
+        check=True,
+    )
     return sorted(dest.glob("*.whl"))
 
 

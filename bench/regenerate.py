@@ -117,7 +117,9 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
         what = f"tiny random Qwen3 target ({dtype_name(dtype)})"
     eos = tokenizer.eos_token_id
     if eos is None:
-        eos = int(next(iter(sorted(set(range(model.config.vocab_size)) - set(allowed.tolist()))), model.config.vocab_size - 1))
+        eos = int(
+            next(iter(sorted(set(range(model.config.vocab_size)) - set(allowed.tolist()))), model.config.vocab_size - 1)
+        )
     return model, allowed, int(eos), what
 
 
@@ -140,8 +142,13 @@ def model_bytes(model) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     itemsize = next(model.parameters()).element_size()
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
-    return {"weight_bytes": total, "embedding_bytes": emb_bytes, "tied_embedding": tied,
-            "weight_bytes_read_per_step": total if tied else total - emb_bytes, "kv_bytes_per_token": kv}
+    return {
+        "weight_bytes": total,
+        "embedding_bytes": emb_bytes,
+        "tied_embedding": tied,
+        "weight_bytes_read_per_step": total if tied else total - emb_bytes,
+        "kv_bytes_per_token": kv,
+    }
 
 
 # ------------------------------------------------------------------ workload
@@ -211,26 +218,38 @@ def bound_tok_s(batch: float, mean_context: float, sizes: dict, bandwidth: float
 def stats_of_call(before: dict, after: dict) -> dict:
     """The engine's stats for one `generate` call: its counters accumulate over the engine's life, so
     after - before (settings such as the page count are copied)."""
-    return {k: (v - before.get(k, 0) if k not in NOT_COUNTERS else v)
-            for k, v in after.items() if isinstance(v, (int, float))}
+    return {
+        k: (v - before.get(k, 0) if k not in NOT_COUNTERS else v)
+        for k, v in after.items()
+        if isinstance(v, (int, float))
+    }
 
 
 def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device) -> dict:
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
-    sampling = (SamplingParams(temperature=1.0, top_p=0.95, top_k=0) if sampled
-                else SamplingParams(temperature=0.0, top_p=1.0, top_k=0))
+    sampling = (
+        SamplingParams(temperature=1.0, top_p=0.95, top_k=0)
+        if sampled
+        else SamplingParams(temperature=0.0, top_p=1.0, top_k=0)
+    )
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
     capacity = max(len(p) + L for p, L in zip(prompts, lengths))
-    settings = EngineSettings(max_batch=batch, max_request_tokens=args.max_request_tokens or capacity,
-                              page_size=args.page_size, cuda_graphs=graphs)
+    settings = EngineSettings(
+        max_batch=batch,
+        max_request_tokens=args.max_request_tokens or capacity,
+        page_size=args.page_size,
+        cuda_graphs=graphs,
+    )
     t = time.perf_counter()
     engine = GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings)
     build_s = time.perf_counter() - t
     n_warm = min(batch, len(prompts), args.warmup_requests)
     t = time.perf_counter()
-    engine.generate([Request(prompt=prompts[i], max_new_tokens=min(lengths[i], 8), key=WARM_KEY + i) for i in range(n_warm)])
+    engine.generate(
+        [Request(prompt=prompts[i], max_new_tokens=min(lengths[i], 8), key=WARM_KEY + i) for i in range(n_warm)]
+    )
     sync(device)
     warm_call_s = time.perf_counter() - t
     before = dict(engine.stats)
@@ -243,13 +262,24 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device)
     generated = sum(len(r.tokens) for r in replies)
     stats = stats_of_call(before, dict(engine.stats))
     useful = sum(min(len(r.tokens), L) for r, L in zip(replies, lengths))
-    row = {"contender": "engine", "batch": batch, "sampling": "sampled" if sampled else "greedy",
-           "requests": len(requests), "drawn_tokens": sum(lengths), "generated_tokens": generated,
-           "useful_tokens": useful, "length_mismatches": sum(len(r.tokens) != L for r, L in zip(replies, lengths)),
-           "finished_by_stop": sum(bool(getattr(r, "finished", False)) for r in replies),
-           "seconds": seconds, "tokens_per_s": useful / seconds, "engine_build_s": build_s,
-           "warmup_call_s": warm_call_s, "graph_capture_s": engine.stats.get("warmup_seconds"),
-           "stats": stats, "engine_stats_total": dict(engine.stats)}
+    row = {
+        "contender": "engine",
+        "batch": batch,
+        "sampling": "sampled" if sampled else "greedy",
+        "requests": len(requests),
+        "drawn_tokens": sum(lengths),
+        "generated_tokens": generated,
+        "useful_tokens": useful,
+        "length_mismatches": sum(len(r.tokens) != L for r, L in zip(replies, lengths)),
+        "finished_by_stop": sum(bool(getattr(r, "finished", False)) for r in replies),
+        "seconds": seconds,
+        "tokens_per_s": useful / seconds,
+        "engine_build_s": build_s,
+        "warmup_call_s": warm_call_s,
+        "graph_capture_s": engine.stats.get("warmup_seconds"),
+        "stats": stats,
+        "engine_stats_total": dict(engine.stats),
+    }
     if stats.get("decode_steps"):
         row["mean_active_rows"] = stats["decode_rows"] / stats["decode_steps"]
     if stats.get("decode_rows"):
@@ -271,8 +301,12 @@ def profile_prefill(model, prompts, n: int, args, device) -> dict:
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
     requests = [Request(prompt=p, max_new_tokens=1) for p in prompts[:n]]
-    settings = EngineSettings(max_batch=max(n, 1), max_request_tokens=max(len(p) for p in prompts[:n]) + 1,
-                              page_size=args.page_size, cuda_graphs=False)
+    settings = EngineSettings(
+        max_batch=max(n, 1),
+        max_request_tokens=max(len(p) for p in prompts[:n]) + 1,
+        page_size=args.page_size,
+        cuda_graphs=False,
+    )
     engine = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings)
     engine.generate(requests)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -286,12 +320,24 @@ def profile_prefill(model, prompts, n: int, args, device) -> dict:
     device_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
 
     def top(key: str) -> list[dict]:
-        rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:args.profile_top]
-        return [{"op": e.key, "calls": e.count, "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
-                 "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in rows]
+        rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[: args.profile_top]
+        return [
+            {
+                "op": e.key,
+                "calls": e.count,
+                "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
+                "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            }
+            for e in rows
+        ]
 
-    return {"prompts": n, "prompt_tokens": sum(len(p) for p in prompts[:n]), "seconds": seconds,
-            "by_device_time": top(device_key), "by_host_time": top("self_cpu_time_total")}
+    return {
+        "prompts": n,
+        "prompt_tokens": sum(len(p) for p in prompts[:n]),
+        "seconds": seconds,
+        "by_device_time": top(device_key),
+        "by_host_time": top("self_cpu_time_total"),
+    }
 
 
 class EndAtDrawnLength(LogitsProcessor):
@@ -330,12 +376,23 @@ def hf_generate(model, prompts, lengths, batch: int, eos: int, device) -> tuple[
             ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
             attention[row, width - len(prompts[i]) :] = 1
         want = [lengths[i] for i in chosen]
-        config = GenerationConfig(max_new_tokens=max(want), do_sample=False, temperature=None, top_p=None,
-                                  top_k=None, eos_token_id=eos, pad_token_id=eos)
+        config = GenerationConfig(
+            max_new_tokens=max(want),
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
         processor = EndAtDrawnLength(want, width, eos, vocab, device)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
-                                 generation_config=config, logits_processor=LogitsProcessorList([processor]))
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=attention.to(device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([processor]),
+            )
         for i, toks in zip(chosen, out[:, width:].tolist()):
             n = toks.index(eos) + 1 if eos in toks else len(toks)  # up to and with the (forced) eos
             out_tokens[i] = toks[:n]
@@ -354,10 +411,20 @@ def run_hf(model, prompts, lengths, batch: int, n_requests: int, cap: int, eos: 
     sync(device)
     seconds = time.perf_counter() - t
     useful = sum(min(len(x), L) for x, L in zip(tokens, lengths))
-    return {"contender": "hf_generate", "batch": batch, "sampling": "greedy", "requests": len(prompts),
-            "max_new_tokens_cap": cap, "drawn_tokens": sum(lengths), "generated_tokens": generated,
-            "useful_tokens": useful, "length_mismatches": mismatched, "seconds": seconds,
-            "tokens_per_s": useful / seconds, "_tokens": tokens}
+    return {
+        "contender": "hf_generate",
+        "batch": batch,
+        "sampling": "greedy",
+        "requests": len(prompts),
+        "max_new_tokens_cap": cap,
+        "drawn_tokens": sum(lengths),
+        "generated_tokens": generated,
+        "useful_tokens": useful,
+        "length_mismatches": mismatched,
+        "seconds": seconds,
+        "tokens_per_s": useful / seconds,
+        "_tokens": tokens,
+    }
 
 
 def greedy_agreement(engine_tokens: list[list[int]], hf_tokens: list[list[int]]) -> dict:
@@ -372,7 +439,11 @@ def greedy_agreement(engine_tokens: list[list[int]], hf_tokens: list[list[int]])
         k = next((j for j in range(n) if a[j] != b[j]), n)
         common, compared, identical = common + k, compared + n, identical + (k == n)
     pairs = sum(min(len(a), len(b)) > 1 for a, b in zip(engine_tokens, hf_tokens))
-    return {"rows": pairs, "identical_rows": identical, "common_prefix_fraction": common / compared if compared else None}
+    return {
+        "rows": pairs,
+        "identical_rows": identical,
+        "common_prefix_fraction": common / compared if compared else None,
+    }
 
 
 # ------------------------------------------------------------------ recipe estimate
@@ -386,21 +457,35 @@ def recipe_estimate(args, engine_row: dict | None, old_rate: float | None, sizes
     bound at the recipe's mean context (prompt + reply / 2) to the bound at the context measured here."""
     C, R, P = args.recipe_conversations, args.recipe_reply_tokens, args.recipe_prompt_tokens
     tokens = C * (P + R)
-    out = {"conversations": C, "reply_tokens": R, "prompt_tokens": P, "regen_gpus": args.recipe_regen_gpus,
-           "extract_gpus": args.recipe_extract_gpus, "train_gpus": args.recipe_train_gpus, "epochs": args.recipe_epochs,
-           "measured_here": ["regen_engine_tok_s_per_gpu", "regen_old_hf_batch32_tok_s_per_gpu"],
-           "from_results_md": {"extract_tok_s_per_gpu": args.extract_tok_s, "train_step_s": args.train_step_s,
-                               "train_step_tokens": args.train_step_tokens},
-           "modelled": ["regen_engine_at_recipe_context_tok_s_per_gpu"]}
+    out = {
+        "conversations": C,
+        "reply_tokens": R,
+        "prompt_tokens": P,
+        "regen_gpus": args.recipe_regen_gpus,
+        "extract_gpus": args.recipe_extract_gpus,
+        "train_gpus": args.recipe_train_gpus,
+        "epochs": args.recipe_epochs,
+        "measured_here": ["regen_engine_tok_s_per_gpu", "regen_old_hf_batch32_tok_s_per_gpu"],
+        "from_results_md": {
+            "extract_tok_s_per_gpu": args.extract_tok_s,
+            "train_step_s": args.train_step_s,
+            "train_step_tokens": args.train_step_tokens,
+        },
+        "modelled": ["regen_engine_at_recipe_context_tok_s_per_gpu"],
+    }
     out["extract_h"] = tokens / (args.extract_tok_s * args.recipe_extract_gpus) / 3600
-    out["train_h"] = args.recipe_epochs * tokens / args.train_step_tokens * args.train_step_s / args.recipe_train_gpus / 3600
+    out["train_h"] = (
+        args.recipe_epochs * tokens / args.train_step_tokens * args.train_step_s / args.recipe_train_gpus / 3600
+    )
     rates = {"old_hf_batch32": old_rate}
     if engine_row:
         out["engine_batch"] = engine_row["batch"]
         rates["engine"] = engine_row["tokens_per_s"]
         if "mean_context" in engine_row:
             B = engine_row["batch"]
-            scale = bound_tok_s(B, P + R / 2, sizes, bandwidth) / bound_tok_s(B, engine_row["mean_context"], sizes, bandwidth)
+            scale = bound_tok_s(B, P + R / 2, sizes, bandwidth) / bound_tok_s(
+                B, engine_row["mean_context"], sizes, bandwidth
+            )
             rates["engine_at_recipe_context"] = engine_row["tokens_per_s"] * scale
     for name, rate in rates.items():
         if rate:
@@ -417,11 +502,19 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write the result JSON here")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    ap.add_argument("--shape", choices=["qwen3-8b", "tiny"], default=None,
-                    help="random model: Qwen3-8B's shape in bf16 (default on CUDA) or the repo's tiny target (default on CPU)")
+    ap.add_argument(
+        "--shape",
+        choices=["qwen3-8b", "tiny"],
+        default=None,
+        help="random model: Qwen3-8B's shape in bf16 (default on CUDA) or the repo's tiny target (default on CPU)",
+    )
     ap.add_argument("--target", default=None, help="a real model folder instead of --shape")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                    help="[default: bfloat16 on CUDA, float32 on CPU]")
+    ap.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default=None,
+        help="[default: bfloat16 on CUDA, float32 on CPU]",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=None, help="[default: 2000 on CUDA, 64 on CPU]")
     ap.add_argument("--max-prompt", type=int, default=None, help="[default: 1024 on CUDA, 128 on CPU]")
@@ -429,24 +522,47 @@ def parse_args(argv=None):
     ap.add_argument("--mean-prompt", type=float, default=None, help="[default: 300/1024 of --max-prompt]")
     ap.add_argument("--max-reply", type=int, default=None, help="[default: 1024 on CUDA, 64 on CPU]")
     ap.add_argument("--mean-reply", type=float, default=None, help="[default: 500/1024 of --max-reply]")
-    ap.add_argument("--batch", type=int, action="append", default=None,
-                    help="engine max_batch, repeatable [default: 256]")
+    ap.add_argument(
+        "--batch", type=int, action="append", default=None, help="engine max_batch, repeatable [default: 256]"
+    )
     ap.add_argument("--sampled", action="store_true", help="also run the engine with temperature 1, top-p 0.95")
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--max-request-tokens", type=int, default=None,
-                    help="engine capacity of one request [default: the longest prompt + reply drawn]")
+    ap.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=None,
+        help="engine capacity of one request [default: the longest prompt + reply drawn]",
+    )
     ap.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
-    ap.add_argument("--warmup-requests", type=int, default=256, help="requests in each warm-up call (8 new tokens each)")
-    ap.add_argument("--baseline-batch", type=int, action="append", default=None,
-                    help="HF generate batch size, repeatable [default: 32 and 256]")
-    ap.add_argument("--baseline-requests", type=int, default=None,
-                    help="HF runs on the first N requests [default: max(64, its batch)]")
+    ap.add_argument(
+        "--warmup-requests", type=int, default=256, help="requests in each warm-up call (8 new tokens each)"
+    )
+    ap.add_argument(
+        "--baseline-batch",
+        type=int,
+        action="append",
+        default=None,
+        help="HF generate batch size, repeatable [default: 32 and 256]",
+    )
+    ap.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=None,
+        help="HF runs on the first N requests [default: max(64, its batch)]",
+    )
     ap.add_argument("--baseline-max-new-tokens", type=int, default=256, help="HF replies capped at this length")
     ap.add_argument("--skip-baseline", action="store_true")
-    ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
-                    help="also profile one prefill of the first N prompts (operators by device and host time)")
+    ap.add_argument(
+        "--profile-prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile one prefill of the first N prompts (operators by device and host time)",
+    )
     ap.add_argument("--profile-top", type=int, default=12, help="operators listed by --profile-prefill")
-    ap.add_argument("--compare-rows", type=int, default=64, help="greedy engine vs HF token agreement over the first N requests")
+    ap.add_argument(
+        "--compare-rows", type=int, default=64, help="greedy engine vs HF token agreement over the first N requests"
+    )
     r = ap.add_argument_group("recipe estimate (regeneration rates measured here; the rest from bench/RESULTS.md)")
     r.add_argument("--recipe-conversations", type=int, default=800_000)
     r.add_argument("--recipe-reply-tokens", type=int, default=1000, help="generated tokens per conversation")
@@ -455,8 +571,12 @@ def parse_args(argv=None):
     r.add_argument("--recipe-extract-gpus", type=int, default=5)
     r.add_argument("--recipe-train-gpus", type=int, default=3)
     r.add_argument("--recipe-epochs", type=int, default=TRAIN_EPOCHS)
-    r.add_argument("--extract-tok-s", type=float, default=RESULTS_EXTRACT_TOK_S,
-                   help="extraction tok/s per GPU (RESULTS.md stage one)")
+    r.add_argument(
+        "--extract-tok-s",
+        type=float,
+        default=RESULTS_EXTRACT_TOK_S,
+        help="extraction tok/s per GPU (RESULTS.md stage one)",
+    )
     r.add_argument("--train-step-s", type=float, default=RESULTS_TRAIN_STEP_S, help="RESULTS.md stage two")
     r.add_argument("--train-step-tokens", type=int, default=RESULTS_TRAIN_STEP_TOKENS, help="RESULTS.md stage two")
     args = ap.parse_args(argv)
@@ -494,27 +614,51 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(device)
     free(device)
     result = {
-        "model": what, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": what,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "args": {k: v for k, v in vars(args).items()},
-        "workload": {"requests": len(prompts), "seed": args.seed,
-                     "prompt_tokens": {"min": args.min_prompt, "max": args.max_prompt, "target_mean": args.mean_prompt,
-                                       "mean": float(np.mean([len(p) for p in prompts])), "total": sum(len(p) for p in prompts)},
-                     "reply_tokens": {"min": 1, "max": args.max_reply, "target_mean": args.mean_reply,
-                                      "mean": float(np.mean(lengths)), "total": sum(lengths)},
-                     "eos_id_hf": eos, "stop_ids_engine": []},
-        "copy_bandwidth_GBps": bandwidth / 1e9, **sizes,
+        "workload": {
+            "requests": len(prompts),
+            "seed": args.seed,
+            "prompt_tokens": {
+                "min": args.min_prompt,
+                "max": args.max_prompt,
+                "target_mean": args.mean_prompt,
+                "mean": float(np.mean([len(p) for p in prompts])),
+                "total": sum(len(p) for p in prompts),
+            },
+            "reply_tokens": {
+                "min": 1,
+                "max": args.max_reply,
+                "target_mean": args.mean_reply,
+                "mean": float(np.mean(lengths)),
+                "total": sum(lengths),
+            },
+            "eos_id_hf": eos,
+            "stop_ids_engine": [],
+        },
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        **sizes,
         "bound_note": "per decode step: weights minus the input embedding table (only gathered) + each row's KV once, "
-                      "at the copy bandwidth; prefill not charged",
-        "engine": [], "hf_generate": [], "errors": [],
+        "at the copy bandwidth; prefill not charged",
+        "engine": [],
+        "hf_generate": [],
+        "errors": [],
     }
     wl = result["workload"]
-    print(f"workload: {len(prompts)} requests, prompt mean {wl['prompt_tokens']['mean']:.1f} "
-          f"({args.min_prompt}..{args.max_prompt}), reply mean {wl['reply_tokens']['mean']:.1f} (1..{args.max_reply}), "
-          f"{sum(lengths):,} tokens to generate", flush=True)
+    print(
+        f"workload: {len(prompts)} requests, prompt mean {wl['prompt_tokens']['mean']:.1f} "
+        f"({args.min_prompt}..{args.max_prompt}), reply mean {wl['reply_tokens']['mean']:.1f} (1..{args.max_reply}), "
+        f"{sum(lengths):,} tokens to generate",
+        flush=True,
+    )
 
     def save_partial() -> None:  # a step killed by its timeout still leaves the contenders done so far
         if args.json:
-            rows = {k: [{f: v for f, v in r.items() if f != "_tokens"} for r in result[k]] for k in ("engine", "hf_generate")}
+            rows = {
+                k: [{f: v for f, v in r.items() if f != "_tokens"} for r in result[k]]
+                for k in ("engine", "hf_generate")
+            }
             Path(args.json).write_text(json.dumps({**result, **rows, "partial": True}, indent=1))
 
     def attempt(name: str, fn):
@@ -522,7 +666,12 @@ def main(argv=None) -> dict:
             return fn()
         except Exception as exc:  # one contender failing (OOM, engine not there) must not lose the others
             traceback.print_exc()
-            result["errors"].append({"contender": name, "error": f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"})
+            result["errors"].append(
+                {
+                    "contender": name,
+                    "error": f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                }
+            )
             return None
         finally:
             free(device)
@@ -530,28 +679,44 @@ def main(argv=None) -> dict:
 
     for batch in args.batch:
         for sampled in [False, True] if args.sampled else [False]:
-            row = attempt(f"engine batch {batch}{' sampled' if sampled else ''}",
-                          lambda batch=batch, sampled=sampled: run_engine(model, prompts, lengths, batch, sampled, args, device))
+            row = attempt(
+                f"engine batch {batch}{' sampled' if sampled else ''}",
+                lambda batch=batch, sampled=sampled: run_engine(model, prompts, lengths, batch, sampled, args, device),
+            )
             if row:
                 print(f"engine batch {batch} {row['sampling']}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
                 result["engine"].append(row)
     for batch in args.baseline_batch:
         n = min(len(prompts), args.baseline_requests or max(64, batch))
-        row = attempt(f"hf_generate batch {batch}",
-                      lambda batch=batch, n=n: run_hf(model, prompts, lengths, batch, n, args.baseline_max_new_tokens, eos, device))
+        row = attempt(
+            f"hf_generate batch {batch}",
+            lambda batch=batch, n=n: run_hf(
+                model, prompts, lengths, batch, n, args.baseline_max_new_tokens, eos, device
+            ),
+        )
         if row:
             print(f"hf_generate batch {batch}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
             result["hf_generate"].append(row)
 
     if args.profile_prefill:
-        profiled = attempt("profile prefill", lambda: profile_prefill(model, prompts, args.profile_prefill, args, device))
+        profiled = attempt(
+            "profile prefill", lambda: profile_prefill(model, prompts, args.profile_prefill, args, device)
+        )
         if profiled:
             result["prefill_profile"] = profiled
-            print(f"prefill of {profiled['prompts']} prompts ({profiled['prompt_tokens']:,} tokens), profiled: "
-                  f"{profiled['seconds'] * 1e3:.0f} ms", flush=True)
+            print(
+                f"prefill of {profiled['prompts']} prompts ({profiled['prompt_tokens']:,} tokens), profiled: "
+                f"{profiled['seconds'] * 1e3:.0f} ms",
+                flush=True,
+            )
             for what in ("by_device_time", "by_host_time"):
-                print(f"  top ops {what.replace('_', ' ')}: " + "; ".join(
-                    f"{r['op']} x{r['calls']} {r['self_device_ms']:.1f}/{r['self_cpu_ms']:.1f} ms" for r in profiled[what]))
+                print(
+                    f"  top ops {what.replace('_', ' ')}: "
+                    + "; ".join(
+                        f"{r['op']} x{r['calls']} {r['self_device_ms']:.1f}/{r['self_cpu_ms']:.1f} ms"
+                        for r in profiled[what]
+                    )
+                )
 
     hf = {r["batch"]: r for r in result["hf_generate"]}
     for row in result["engine"]:
@@ -561,8 +726,10 @@ def main(argv=None) -> dict:
             row["bound_tok_s"] = bound_tok_s(row["batch"], row["mean_context"], sizes, bandwidth)
             row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tok_s"]
             st = row["stats"]
-            sched_s = (st["decode_steps"] * sizes["weight_bytes_read_per_step"]
-                       + st["kv_tokens_read"] * sizes["kv_bytes_per_token"]) / bandwidth
+            sched_s = (
+                st["decode_steps"] * sizes["weight_bytes_read_per_step"]
+                + st["kv_tokens_read"] * sizes["kv_bytes_per_token"]
+            ) / bandwidth
             row["schedule_bound_s"] = sched_s
             row["schedule_bound_tok_s"] = row["useful_tokens"] / sched_s
             row["fraction_of_schedule_bound"] = row["tokens_per_s"] / row["schedule_bound_tok_s"]
@@ -579,8 +746,10 @@ def main(argv=None) -> dict:
     emit(result, args.json)
     print_summary(result, args)
     if result["errors"]:
-        sys.exit(f"bench.regenerate: {len(result['errors'])} contender(s) failed: "
-                 + "; ".join(f"{e['contender']}: {e['error']}" for e in result["errors"]))
+        sys.exit(
+            f"bench.regenerate: {len(result['errors'])} contender(s) failed: "
+            + "; ".join(f"{e['contender']}: {e['error']}" for e in result["errors"])
+        )
     return result
 
 
@@ -594,49 +763,75 @@ def human_bytes(n: float) -> str:
 def print_summary(result: dict, args) -> None:
     """A short table for the tail of the log (gpu_session.sh shows the last 25 lines)."""
     wl = result["workload"]
-    print(f"\n== regenerate: {result['model']} on {result['device']}; {wl['requests']} requests, prompts mean "
-          f"{wl['prompt_tokens']['mean']:.0f} ({args.min_prompt}..{args.max_prompt}), replies mean "
-          f"{wl['reply_tokens']['mean']:.0f} (1..{args.max_reply}), each ending at its drawn length")
-    print(f"copy bandwidth {result['copy_bandwidth_GBps']:,.0f} GB/s; weights {human_bytes(result['weight_bytes'])} "
-          f"({human_bytes(result['weight_bytes_read_per_step'])} read per step: embedding table excluded); "
-          f"KV {human_bytes(result['kv_bytes_per_token'])}/token")
+    print(
+        f"\n== regenerate: {result['model']} on {result['device']}; {wl['requests']} requests, prompts mean "
+        f"{wl['prompt_tokens']['mean']:.0f} ({args.min_prompt}..{args.max_prompt}), replies mean "
+        f"{wl['reply_tokens']['mean']:.0f} (1..{args.max_reply}), each ending at its drawn length"
+    )
+    print(
+        f"copy bandwidth {result['copy_bandwidth_GBps']:,.0f} GB/s; weights {human_bytes(result['weight_bytes'])} "
+        f"({human_bytes(result['weight_bytes_read_per_step'])} read per step: embedding table excluded); "
+        f"KV {human_bytes(result['kv_bytes_per_token'])}/token"
+    )
     hf_batches = [r["batch"] for r in result["hf_generate"]]
-    print(f"{'contender':<28}{'reqs':>5}{'tokens':>10}{'tok/s':>8}" + "".join(f"{'/HF' + str(b):>8}" for b in hf_batches)
-          + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}")
+    print(
+        f"{'contender':<28}{'reqs':>5}{'tokens':>10}{'tok/s':>8}"
+        + "".join(f"{'/HF' + str(b):>8}" for b in hf_batches)
+        + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}"
+    )
     for r in result["engine"]:
         line = f"{'engine ' + r['sampling'] + ' B=' + str(r['batch']):<28}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
         line += "".join(f"{r.get(f'vs_hf_batch{b}', float('nan')):>7.2f}x" for b in hf_batches)
         if "bound_tok_s" in r:
-            line += (f"{r['mean_context']:>6.0f}{r.get('mean_active_rows', float('nan')):>6.0f}{r['bound_tok_s']:>9,.0f}"
-                     f"{r['fraction_of_bound']:>5.0%}{r['schedule_bound_tok_s']:>9,.0f}{r['fraction_of_schedule_bound']:>5.0%}")
+            line += (
+                f"{r['mean_context']:>6.0f}{r.get('mean_active_rows', float('nan')):>6.0f}{r['bound_tok_s']:>9,.0f}"
+                f"{r['fraction_of_bound']:>5.0%}{r['schedule_bound_tok_s']:>9,.0f}{r['fraction_of_schedule_bound']:>5.0%}"
+            )
         print(line)
     for r in result["hf_generate"]:
         name = f"HF generate B={r['batch']} cap {r['max_new_tokens_cap']}"
         print(f"{name:<28}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
-    print("ctx: mean context per decode row; rows: mean active rows per step; bound: B rows at ctx; "
-          "sched: the engine's own steps (prefill uncharged)")
+    print(
+        "ctx: mean context per decode row; rows: mean active rows per step; bound: B rows at ctx; "
+        "sched: the engine's own steps (prefill uncharged)"
+    )
     for r in result["engine"]:
-        notes = [f"graphs {r['graph_capture_s']:.1f} s" if r.get("graph_capture_s") else "",
-                 f"prefill {r['stats'].get('prefill_seconds', 0):.1f} s, decode {r['stats'].get('decode_seconds', 0):.1f} s",
-                 f"{r['length_mismatches']} replies NOT at their drawn length" if r["length_mismatches"] else ""]
+        notes = [
+            f"graphs {r['graph_capture_s']:.1f} s" if r.get("graph_capture_s") else "",
+            f"prefill {r['stats'].get('prefill_seconds', 0):.1f} s, decode {r['stats'].get('decode_seconds', 0):.1f} s",
+            f"{r['length_mismatches']} replies NOT at their drawn length" if r["length_mismatches"] else "",
+        ]
         for k, v in r.items():
             if k.startswith("greedy_agreement") and v["common_prefix_fraction"] is not None:
-                notes.append(f"vs {k.removeprefix('greedy_agreement_')}: {v['identical_rows']}/{v['rows']} identical, "
-                             f"prefix {v['common_prefix_fraction']:.0%}")
+                notes.append(
+                    f"vs {k.removeprefix('greedy_agreement_')}: {v['identical_rows']}/{v['rows']} identical, "
+                    f"prefix {v['common_prefix_fraction']:.0%}"
+                )
         print(f"engine {r['sampling']} B={r['batch']}: " + "; ".join(n for n in notes if n))
     for e in result["errors"]:
         print(f"!! {e['contender']}: {e['error']}")
     est = result["recipe_estimate"]
-    print(f"recipe: {est['conversations']:,} conversations, {est['prompt_tokens']} prompt + {est['reply_tokens']} reply tokens; "
-          f"regen on {est['regen_gpus']} GPUs, extraction {est['extract_gpus']}, training {est['train_gpus']} ({est['epochs']} epochs)")
-    for name, how in (("engine", f"the engine's (B={est.get('engine_batch')}), measured here"),
-                      ("engine_at_recipe_context", "the engine's moved to the recipe's context by the bound, modelled"),
-                      ("old_hf_batch32", f"HF batch 32's (old default), measured here, replies capped at {args.baseline_max_new_tokens}")):
+    print(
+        f"recipe: {est['conversations']:,} conversations, {est['prompt_tokens']} prompt + {est['reply_tokens']} reply tokens; "
+        f"regen on {est['regen_gpus']} GPUs, extraction {est['extract_gpus']}, training {est['train_gpus']} ({est['epochs']} epochs)"
+    )
+    for name, how in (
+        ("engine", f"the engine's (B={est.get('engine_batch')}), measured here"),
+        ("engine_at_recipe_context", "the engine's moved to the recipe's context by the bound, modelled"),
+        (
+            "old_hf_batch32",
+            f"HF batch 32's (old default), measured here, replies capped at {args.baseline_max_new_tokens}",
+        ),
+    ):
         if f"regen_{name}_h" in est:
-            print(f"  regeneration {est[f'regen_{name}_h']:6.1f} h at {est[f'regen_{name}_tok_s_per_gpu']:>7,.0f} tok/s/GPU: {how}"
-                  f" (end to end {est[f'total_{name}_h']:.1f} h)")
-    print(f"  extraction {est['extract_h']:.1f} h at {args.extract_tok_s:,.0f} tok/s/GPU; training {est['train_h']:.1f} h at "
-          f"{args.train_step_s} s per {args.train_step_tokens}-token step (both from bench/RESULTS.md); stages in sequence")
+            print(
+                f"  regeneration {est[f'regen_{name}_h']:6.1f} h at {est[f'regen_{name}_tok_s_per_gpu']:>7,.0f} tok/s/GPU: {how}"
+                f" (end to end {est[f'total_{name}_h']:.1f} h)"
+            )
+    print(
+        f"  extraction {est['extract_h']:.1f} h at {args.extract_tok_s:,.0f} tok/s/GPU; training {est['train_h']:.1f} h at "
+        f"{args.train_step_s} s per {args.train_step_tokens}-token step (both from bench/RESULTS.md); stages in sequence"
+    )
 
 
 if __name__ == "__main__":

@@ -38,14 +38,23 @@ def _rows(tokens: int, width: int) -> np.ndarray:
 def write_store(root: Path, hidden: np.ndarray, codec: str, sample_tokens: int) -> float:
     """Seconds to write `hidden` through StoreWriter (batches of 4 samples) and finalize it."""
     tokens, width = hidden.shape
-    writer = StoreWriter(root, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=tokens,
-                         capacity_samples=tokens // sample_tokens, compression=codec, overwrite=True)
+    writer = StoreWriter(
+        root,
+        0,
+        hidden_width=width,
+        hidden_dtype="bfloat16",
+        capacity_tokens=tokens,
+        capacity_samples=tokens // sample_tokens,
+        compression=codec,
+        overwrite=True,
+    )
     ids, mask = np.zeros(sample_tokens, np.int32), np.ones(sample_tokens, np.uint8)
     t0 = time.perf_counter()
     samples = tokens // sample_tokens
     for b in range(0, samples, 4):
-        writer.append_batch([(s, ids, mask, hidden[s * sample_tokens : (s + 1) * sample_tokens])
-                             for s in range(b, min(b + 4, samples))])
+        writer.append_batch(
+            [(s, ids, mask, hidden[s * sample_tokens : (s + 1) * sample_tokens]) for s in range(b, min(b + 4, samples))]
+        )
     writer.finalize()
     return time.perf_counter() - t0
 
@@ -101,21 +110,40 @@ def main() -> None:
         root = scratch / codec.replace(":", "_")
         shutil.rmtree(root, ignore_errors=True)
         ours_w = write_store(root, hidden, codec, args.sample_tokens)
-        target = {"name_or_path": "bench", "architecture": "bench", "config_hash": "bench", "num_layers": 1,
-                  "hidden_size": args.width, "layer_ids": [0], "vocab_size": 1}
-        mark_complete(root, new_manifest(target=target, hidden_dtype="bfloat16", world_size=1),
-                      shards=finished_shards(root, 1)[0])
+        target = {
+            "name_or_path": "bench",
+            "architecture": "bench",
+            "config_hash": "bench",
+            "num_layers": 1,
+            "hidden_size": args.width,
+            "layer_ids": [0],
+            "vocab_size": 1,
+        }
+        mark_complete(
+            root, new_manifest(target=target, hidden_dtype="bfloat16", world_size=1), shards=finished_shards(root, 1)[0]
+        )
         shard_tokens = FeatureStore(root).manifest.shard_tokens
         zarr_w = zarr_write(root, hidden, shard_tokens)
         ours_r, zarr_r = read_spans(root, args.sample_tokens)
-        stored = sum(f.stat().st_size for f in (StoreLayout(root).rank_group(0) / "hidden_states").rglob("*") if f.is_file())
-        row = {"ratio": hidden.nbytes / stored,
-               "write_gbps": gb / ours_w, "zarr_write_gbps": gb / zarr_w, "write_speedup": zarr_w / ours_w,
-               "read_gbps": gb / ours_r, "zarr_read_gbps": gb / zarr_r, "read_speedup": zarr_r / ours_r}
+        stored = sum(
+            f.stat().st_size for f in (StoreLayout(root).rank_group(0) / "hidden_states").rglob("*") if f.is_file()
+        )
+        row = {
+            "ratio": hidden.nbytes / stored,
+            "write_gbps": gb / ours_w,
+            "zarr_write_gbps": gb / zarr_w,
+            "write_speedup": zarr_w / ours_w,
+            "read_gbps": gb / ours_r,
+            "zarr_read_gbps": gb / zarr_r,
+            "read_speedup": zarr_r / ours_r,
+        }
         result["codecs"][codec] = row
-        print(f"{codec:>24}: ratio {row['ratio']:.3f}  write {row['write_gbps']:.2f} GB/s vs zarr "
-              f"{row['zarr_write_gbps']:.2f} ({row['write_speedup']:.2f}x)  read {row['read_gbps']:.2f} GB/s vs "
-              f"zarr {row['zarr_read_gbps']:.2f} ({row['read_speedup']:.2f}x)", flush=True)
+        print(
+            f"{codec:>24}: ratio {row['ratio']:.3f}  write {row['write_gbps']:.2f} GB/s vs zarr "
+            f"{row['zarr_write_gbps']:.2f} ({row['write_speedup']:.2f}x)  read {row['read_gbps']:.2f} GB/s vs "
+            f"zarr {row['zarr_read_gbps']:.2f} ({row['read_speedup']:.2f}x)",
+            flush=True,
+        )
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(root.parent / (root.name + "-zarr"), ignore_errors=True)
     emit(result, args.json)

@@ -91,15 +91,25 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> fl
     return (time.perf_counter() - t) / steps
 
 
-def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: int, compression: str | None = None) -> None:
+def synthetic_store(
+    root: Path, width: int, vocab: int, samples: int, mean_len: int, compression: str | None = None
+) -> None:
     """A complete on-disk store of random features, written by the real writer and manifest code."""
     from dflash_pipeline.shared.store import manifest as mf
     from dflash_pipeline.shared.store.writer import StoreWriter
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(mean_len // 2, mean_len * 3 // 2, samples)
-    w = StoreWriter(root, 0, hidden_width=width, hidden_dtype="bfloat16", capacity_tokens=int(lengths.sum()),
-                    capacity_samples=samples, overwrite=True, **({"compression": compression} if compression else {}))
+    w = StoreWriter(
+        root,
+        0,
+        hidden_width=width,
+        hidden_dtype="bfloat16",
+        capacity_tokens=int(lengths.sum()),
+        capacity_samples=samples,
+        overwrite=True,
+        **({"compression": compression} if compression else {}),
+    )
     for i, L in enumerate(lengths):
         hidden = torch.from_numpy(rng.standard_normal((L, width), dtype=np.float32)).to(torch.bfloat16)
         ids = rng.integers(0, vocab, L).astype(np.int32)
@@ -107,11 +117,22 @@ def synthetic_store(root: Path, width: int, vocab: int, samples: int, mean_len: 
         mask[L // 4 :] = 1
         w.append_batch([(i, ids, mask, hidden)])
     shard = w.finalize()
-    m = mf.new_manifest(target={"name_or_path": "synthetic", "architecture": "Qwen3ForCausalLM", "config_hash": "x",
-                                "num_layers": 36, "hidden_size": width // 5, "vocab_size": vocab,
-                                "layer_ids": [1, 9, 17, 25, 33]},
-                        hidden_dtype="bfloat16", tokenizer_fingerprint="x", data={"paths": [], "fingerprint": "x"},
-                        settings={}, world_size=1)
+    m = mf.new_manifest(
+        target={
+            "name_or_path": "synthetic",
+            "architecture": "Qwen3ForCausalLM",
+            "config_hash": "x",
+            "num_layers": 36,
+            "hidden_size": width // 5,
+            "vocab_size": vocab,
+            "layer_ids": [1, 9, 17, 25, 33],
+        },
+        hidden_dtype="bfloat16",
+        tokenizer_fingerprint="x",
+        data={"paths": [], "fingerprint": "x"},
+        settings={},
+        world_size=1,
+    )
     mf.write_manifest(root, m)
     mf.mark_complete(root, mf.load_manifest(root), shards=[shard], weights_fingerprint="x", counts={})
 
@@ -170,9 +191,18 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
     schedule = plan.schedule(epochs)[: warm + steps]
     device = torch.device("cuda")
     if path == "stock":
-        batches = (to_device(b, device) for _, _, b in DataLoader(
-            dataset, batch_size=None, sampler=[(e, k, None) for e, k in schedule], num_workers=workers,
-            pin_memory=True, prefetch_factor=2, multiprocessing_context="spawn"))  # blosc threads as numcodecs sets them
+        batches = (
+            to_device(b, device)
+            for _, _, b in DataLoader(
+                dataset,
+                batch_size=None,
+                sampler=[(e, k, None) for e, k in schedule],
+                num_workers=workers,
+                pin_memory=True,
+                prefetch_factor=2,
+                multiprocessing_context="spawn",
+            )
+        )  # blosc threads as numcodecs sets them
     else:
         batches = (b for _, _, b in device_batches(dataset, schedule, 0 if path == "inline" else workers, device))
     for _ in range(warm):  # start-up is paid once per run: every worker has delivered a batch before the clock starts
@@ -183,8 +213,12 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
         build += batch["build_s"]  # on the device: no wait for the copy, as a training step would not
     torch.cuda.synchronize()
     build_s, gap_s = (build / steps).tolist()
-    return {"packs_per_s": steps / (time.perf_counter() - t), "build_s": build_s, "worker_gap_s": gap_s,
-            "main_cpu_ms_per_batch": 1000 * (time.process_time() - cpu) / steps}
+    return {
+        "packs_per_s": steps / (time.perf_counter() - t),
+        "build_s": build_s,
+        "worker_gap_s": gap_s,
+        "main_cpu_ms_per_batch": 1000 * (time.process_time() - cpu) / steps,
+    }
 
 
 def host_to_device_rates(width: int, repeats: int = 5) -> dict[str, float]:
@@ -194,8 +228,11 @@ def host_to_device_rates(width: int, repeats: int = 5) -> dict[str, float]:
     from dflash_pipeline.train.feed import SlotLayout, SlotRing
 
     ring = SlotRing(1, SlotLayout.of({"hidden": ((S, width), torch.bfloat16)}), pin=True)
-    sources = {"registered_shared": ring.views(0)["hidden"], "pinned": torch.empty(S, width, dtype=torch.bfloat16).pin_memory(),
-               "pageable": torch.empty(S, width, dtype=torch.bfloat16)}
+    sources = {
+        "registered_shared": ring.views(0)["hidden"],
+        "pinned": torch.empty(S, width, dtype=torch.bfloat16).pin_memory(),
+        "pageable": torch.empty(S, width, dtype=torch.bfloat16),
+    }
     rates = {}
     for name, host in sources.items():
         host.fill_(1)
@@ -250,7 +287,9 @@ def build_profile(root: Path, packs: int = 6, top: int = 8) -> list[tuple[str, f
         build_batch(store, [pack], spec, 0, 0, out=out)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
-    rows = sorted(((f"{fn[2]} ({Path(fn[0]).name}:{fn[1]})", v[2] / len(todo)) for fn, v in stats.items()), key=lambda r: -r[1])
+    rows = sorted(
+        ((f"{fn[2]} ({Path(fn[0]).name}:{fn[1]})", v[2] / len(todo)) for fn, v in stats.items()), key=lambda r: -r[1]
+    )
     return rows[:top]
 
 
@@ -264,12 +303,20 @@ def attention_only(cfg: DFlashConfig, batch: dict[str, torch.Tensor], iters: int
     dense = attn.dense_mask(*mask_args, B)
     g = torch.Generator(device="cuda").manual_seed(0)
     hd, Q = cfg.head_dim, N * B
-    q = torch.randn(1, cfg.num_attention_heads, Q, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = (torch.randn(1, cfg.num_key_value_heads, S + Q, hd, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-            for _ in range(2))
-    scale = hd ** -0.5
-    paths = {"flex_compiled": lambda: attn.flex_attention_compiled(q, k, v, block_mask, scale),
-             "sdpa_dense": lambda: attn.sdpa_dense_attention(q, k, v, dense, scale)}
+    q = torch.randn(
+        1, cfg.num_attention_heads, Q, hd, device="cuda", dtype=torch.bfloat16, generator=g
+    ).requires_grad_()
+    k, v = (
+        torch.randn(
+            1, cfg.num_key_value_heads, S + Q, hd, device="cuda", dtype=torch.bfloat16, generator=g
+        ).requires_grad_()
+        for _ in range(2)
+    )
+    scale = hd**-0.5
+    paths = {
+        "flex_compiled": lambda: attn.flex_attention_compiled(q, k, v, block_mask, scale),
+        "sdpa_dense": lambda: attn.sdpa_dense_attention(q, k, v, dense, scale),
+    }
     out: dict[str, float] = {"block_sparsity_pct": float(block_mask.sparsity())}
     for name, fn in paths.items():
         for _ in range(3):
@@ -294,23 +341,35 @@ def main() -> None:
     ap.add_argument("--loader-steps", type=int, default=150, help="timed batches per loader run")
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--loader-only", action="store_true", help="time only the data loader (no step, no compile)")
-    ap.add_argument("--loader-diagnostics", action="store_true",
-                    help="also: page-cache read rates of the stores and a profile of one process building packs")
+    ap.add_argument(
+        "--loader-diagnostics",
+        action="store_true",
+        help="also: page-cache read rates of the stores and a profile of one process building packs",
+    )
     args = ap.parse_args()
     device = torch.device("cuda")
     target = qwen3_8b_config(36)
-    cfg = DFlashConfig.for_target(target.to_dict(), [1, 9, 17, 25, 33], mask_token_id=target.vocab_size - 1,
-                                  num_layers=args.layers, block_size=B)
+    cfg = DFlashConfig.for_target(
+        target.to_dict(), [1, 9, 17, 25, 33], mask_token_id=target.vocab_size - 1, num_layers=args.layers, block_size=B
+    )
     torch.manual_seed(0)
     model = DFlashDrafter(cfg).to(device)
-    head = TargetHead(torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
-                      torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02)
+    head = TargetHead(
+        torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
+        torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
+    )
     batch = to_device(synthetic_batch(cfg.context_width, cfg.vocab_size), device)
     gamma = default_gamma(B)
     peak = matmul_tflops(device)
     flops = step_flops(cfg, batch)
-    result = {"drafter_layers": args.layers, "pack_tokens": S, "blocks": N, "block_size": B,
-              "matmul_tflops": peak, "step_tflop": flops / 1e12}
+    result = {
+        "drafter_layers": args.layers,
+        "pack_tokens": S,
+        "blocks": N,
+        "block_size": B,
+        "matmul_tflops": peak,
+        "step_tflop": flops / 1e12,
+    }
     from dflash_pipeline.shared.model.attention import CompileCounter
 
     backends = [] if args.loader_only else ["flex_compiled", "sdpa_dense"] + ([] if args.skip_eager else ["flex_eager"])
@@ -322,8 +381,12 @@ def main() -> None:
                 result[backend] = {"error": f"OOM: {str(exc).splitlines()[0]}"}
                 torch.cuda.empty_cache()
                 continue
-        result[backend] = {"step_s": sec, "context_tokens_per_s": S / sec, "mfu": flops / sec / (peak * 1e12),
-                           "graphs_compiled": counter.count}
+        result[backend] = {
+            "step_s": sec,
+            "context_tokens_per_s": S / sec,
+            "mfu": flops / sec / (peak * 1e12),
+            "graphs_compiled": counter.count,
+        }
         torch.cuda.empty_cache()
     fc = result.get("flex_compiled", {}).get("step_s")
     for other in ("sdpa_dense", "flex_eager"):
@@ -335,27 +398,43 @@ def main() -> None:
     if not args.loader_only:
         result["attention_only"] = attention_only(cfg, batch)
     # the same from an uncompressed store (scatter reads, no decode)
-    synthetic_store(scratch / "store_none", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500, compression="none")
+    synthetic_store(
+        scratch / "store_none", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500, compression="none"
+    )
     loader = {"host_to_device_GBps": host_to_device_rates(cfg.context_width)}
     if args.loader_diagnostics:
-        loader["page_cache_read_GBps"] = {name: page_cache_read_rate(scratch / name) for name in ("store", "store_none")}
+        loader["page_cache_read_GBps"] = {
+            name: page_cache_read_rate(scratch / name) for name in ("store", "store_none")
+        }
         loader["one_process_build_profile"] = build_profile(scratch / "store")
     counts = sorted({args.loader_workers // 2, args.loader_workers, 14})
     for name in ("store", "store_none"):
-        runs = {"inline": loader_rate(scratch / name, 0, steps=8, path="inline"),
-                **{w: loader_rate(scratch / name, w, steps=args.loader_steps) for w in (counts if name == "store" else counts[-1:])}}
+        runs = {
+            "inline": loader_rate(scratch / name, 0, steps=8, path="inline"),
+            **{
+                w: loader_rate(scratch / name, w, steps=args.loader_steps)
+                for w in (counts if name == "store" else counts[-1:])
+            },
+        }
         if name == "store":
-            runs["slots_sent"] = loader_rate(scratch / name, args.loader_workers, steps=args.loader_steps, path="slots_sent")
+            runs["slots_sent"] = loader_rate(
+                scratch / name, args.loader_workers, steps=args.loader_steps, path="slots_sent"
+            )
             runs["stock"] = loader_rate(scratch / name, args.loader_workers, steps=40, path="stock")
         loader[name] = runs
     best = max(counts, key=lambda w: loader["store"][w]["packs_per_s"])
     packs_per_s = loader["store"][best]["packs_per_s"]
-    result["loader"] = {"best_workers": best, "packs_per_s": packs_per_s,
-                        **({"consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc} if fc else {}),
-                        "speedup_vs_stock": loader["store"][args.loader_workers]["packs_per_s"] / loader["store"]["stock"]["packs_per_s"],
-                        "speedup_vs_small_arrays_sent": (loader["store"][args.loader_workers]["packs_per_s"]
-                                                         / loader["store"]["slots_sent"]["packs_per_s"]),
-                        **loader}
+    result["loader"] = {
+        "best_workers": best,
+        "packs_per_s": packs_per_s,
+        **({"consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc} if fc else {}),
+        "speedup_vs_stock": loader["store"][args.loader_workers]["packs_per_s"]
+        / loader["store"]["stock"]["packs_per_s"],
+        "speedup_vs_small_arrays_sent": (
+            loader["store"][args.loader_workers]["packs_per_s"] / loader["store"]["slots_sent"]["packs_per_s"]
+        ),
+        **loader,
+    }
     emit(result, args.json)
 
 

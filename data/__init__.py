@@ -11,7 +11,16 @@ from .records import ReadStats, Record, data_files, iter_records
 from .tokens import TokenizedSample, tokenize_record, tokenize_records
 
 __all__ = [
-    "DataError", "ReadStats", "Record", "TokenizedSample", "data_files", "data_fingerprint",
-    "iter_records", "load_sharegpt_package_path", "sample_corpus_path", "tokenize_record",
-    "tokenize_records", "tokenizer_fingerprint",
+    "DataError",
+    "ReadStats",
+    "Record",
+    "TokenizedSample",
+    "data_files",
+    "data_fingerprint",
+    "iter_records",
+    "load_sharegpt_package_path",
+    "sample_corpus_path",
+    "tokenize_record",
+    "tokenize_records",
+    "tokenizer_fingerprint",
 ]

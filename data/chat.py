@@ -27,40 +27,53 @@ from jinja2 import TemplateError
 from .errors import DataError
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-           source: str, template_kwargs: dict[str, Any] | None = None) -> str:
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool,
+    source: str,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
     """The template's text for `messages`, with the template's own options (`template_kwargs`, e.g.
     ``{"enable_thinking": False}``); a template that refuses them is a bad record."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+        )
     except TemplateError as e:
-        raise DataError(f"{source}: chat template rejected the conversation ({e})",
-                        "template_error") from e
+        raise DataError(f"{source}: chat template rejected the conversation ({e})", "template_error") from e
 
 
-def render_with_reply_spans(tokenizer: Any, messages: list[dict[str, str]], source: str, *,
-                            template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
+def render_with_reply_spans(
+    tokenizer: Any, messages: list[dict[str, str]], source: str, *, template_kwargs: dict[str, Any] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant replies (see module doc)."""
     text = render(tokenizer, messages, add_generation_prompt=False, source=source, template_kwargs=template_kwargs)
     spans = []
     for i in range(1, len(messages)):
         if messages[i]["role"] != "assistant":
             continue
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, source=source,
-                        template_kwargs=template_kwargs)
-        upto = render(tokenizer, messages[:i + 1], add_generation_prompt=False, source=source,
-                      template_kwargs=template_kwargs)
+        prompt = render(
+            tokenizer, messages[:i], add_generation_prompt=True, source=source, template_kwargs=template_kwargs
+        )
+        upto = render(
+            tokenizer, messages[: i + 1], add_generation_prompt=False, source=source, template_kwargs=template_kwargs
+        )
         if not (upto.startswith(prompt) and text.startswith(upto)):
-            raise DataError(f"{source}: chat template is not prefix-stable at turn {i + 1} "
-                            "(rendering the conversation up to this reply is not a prefix of the "
-                            "whole; the template rewrites earlier turns)", "template_not_prefix_stable")
+            raise DataError(
+                f"{source}: chat template is not prefix-stable at turn {i + 1} "
+                "(rendering the conversation up to this reply is not a prefix of the "
+                "whole; the template rewrites earlier turns)",
+                "template_not_prefix_stable",
+            )
         spans.append((len(prompt), max(len(prompt), len(upto.rstrip()))))
     return text, spans
 
 
-def generation_prompt_ids(tokenizer: Any, messages: list[dict[str, str]], *,
-                          template_kwargs: dict[str, Any] | None = None, source: str = "") -> list[int]:
+def generation_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, str]], *, template_kwargs: dict[str, Any] | None = None, source: str = ""
+) -> list[int]:
     """Ids of `messages` with the generation prompt, tokenized as `tokenize_record` tokenizes a
     conversation (the template writes the special tokens): a reply generated after them is the
     reply span extraction later finds, behind the same rendered prompt text. The ids themselves are

@@ -42,7 +42,10 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     h = hashlib.sha256()
     _frame(h, tokenizer.backend_tokenizer.to_str().encode())
     _frame(h, json.dumps(tokenizer.chat_template, sort_keys=True).encode())
-    specials = {"map": tokenizer.special_tokens_map, "all": tokenizer.all_special_tokens,
-                "ids": tokenizer.all_special_ids}
+    specials = {
+        "map": tokenizer.special_tokens_map,
+        "all": tokenizer.all_special_tokens,
+        "ids": tokenizer.all_special_ids,
+    }
     _frame(h, json.dumps(specials, sort_keys=True, default=str).encode())
     return h.hexdigest()

@@ -131,14 +131,14 @@ def read_json(path: Path) -> Iterator[Item]:
                 count += 1
                 yield source, value
     except UnicodeDecodeError as e:
-        yield str(path), DataError(f"{path}: not UTF-8 text ({e.reason}); stopped reading the file",
-                                   "unreadable_file")
+        yield str(path), DataError(f"{path}: not UTF-8 text ({e.reason}); stopped reading the file", "unreadable_file")
 
 
 def _stop(path: Path, line: int, count: int, what: str) -> Item:
     source = f"{path}:{line}"
-    message = (f"{source}: record {count + 1}: truncated or malformed JSON ({what}); "
-               f"{count} records before it were decoded")
+    message = (
+        f"{source}: record {count + 1}: truncated or malformed JSON ({what}); {count} records before it were decoded"
+    )
     return source, DataError(message, "truncated_json")
 
 
@@ -149,8 +149,9 @@ def read_columnar(path: Path) -> Iterator[Item]:
         import pyarrow.ipc
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise ImportError(f"{path}: reading Parquet/Arrow needs pyarrow "
-                          "(pip install 'dflash-pipeline[parquet]')") from e
+        raise ImportError(
+            f"{path}: reading Parquet/Arrow needs pyarrow (pip install 'dflash-pipeline[parquet]')"
+        ) from e
     try:
         if path.suffix == ".parquet":
             parquet = pq.ParquetFile(path)
@@ -172,17 +173,23 @@ def read_columnar(path: Path) -> Iterator[Item]:
                 row += 1
                 yield f"{path}:{row}", record
     except pa.ArrowException as e:
-        yield str(path), DataError(f"{path}: unreadable Arrow/Parquet data ({e}); stopped reading the file",
-                                   "unreadable_file")
+        yield (
+            str(path),
+            DataError(f"{path}: unreadable Arrow/Parquet data ({e}); stopped reading the file", "unreadable_file"),
+        )
 
 
 def _content_columns(path: Path, names: list[str]) -> list[str]:
     columns = [c for c in CONTENT_FIELDS if c in names]
     if not columns:
-        raise DataError(f"{path}: no 'messages', 'conversations' or 'text' column (has {names})",
-                        "no_content_field")
+        raise DataError(f"{path}: no 'messages', 'conversations' or 'text' column (has {names})", "no_content_field")
     return columns
 
 
-READERS = {".jsonl": read_jsonl, ".json": read_json, ".parquet": read_columnar,
-           ".arrow": read_columnar, ".feather": read_columnar}
+READERS = {
+    ".jsonl": read_jsonl,
+    ".json": read_json,
+    ".parquet": read_columnar,
+    ".arrow": read_columnar,
+    ".feather": read_columnar,
+}

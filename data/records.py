@@ -35,9 +35,16 @@ from .readers import CONTENT_FIELDS, READERS, STOP_REASONS
 __all__ = ["DataError", "ReadStats", "Record", "data_files", "iter_records"]
 
 ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
-                  "system": "system"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
 
 
 @dataclass(frozen=True)
@@ -56,11 +63,11 @@ class ReadStats:
     """What reading (and, through `tokenize_records`, tokenizing) did: nothing is dropped unseen."""
 
     files: list[str] = field(default_factory=list)
-    records: int = 0                                    # records yielded by iter_records
-    skipped: Counter = field(default_factory=Counter)   # reason code -> bad records skipped
+    records: int = 0  # records yielded by iter_records
+    skipped: Counter = field(default_factory=Counter)  # reason code -> bad records skipped
     recovered: dict[str, int] = field(default_factory=dict)  # abandoned file -> records decoded first
-    samples: int = 0                                    # records tokenized (tokenize_records)
-    truncated: int = 0                                  # samples cut to max_length (tokenize_records)
+    samples: int = 0  # records tokenized (tokenize_records)
+    truncated: int = 0  # samples cut to max_length (tokenize_records)
 
     def skip(self, error: DataError) -> None:
         self.skipped[error.reason] += 1
@@ -87,24 +94,29 @@ def data_files(path: str | Path) -> list[Path]:
     hidden names ignored) sorted by relative path so record order never depends on the file system."""
     path = Path(path)
     if path.is_dir():
-        files = sorted((p for p in path.rglob("*")
-                        if p.is_file() and p.suffix in READERS
-                        and not any(part.startswith(".") for part in p.relative_to(path).parts)),
-                       key=lambda p: p.relative_to(path).as_posix())
+        files = sorted(
+            (
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and p.suffix in READERS
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            ),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
         if not files:
-            raise DataError(f"{path}: no data files ({', '.join(READERS)}) in this directory",
-                            "no_data_files")
+            raise DataError(f"{path}: no data files ({', '.join(READERS)}) in this directory", "no_data_files")
         return files
     if not path.exists():
         raise DataError(f"{path}: no such file or directory", "missing_file")
     if path.suffix not in READERS:
-        raise DataError(f"{path}: unsupported file type {path.suffix!r} (use {', '.join(READERS)})",
-                        "unsupported_file")
+        raise DataError(f"{path}: unsupported file type {path.suffix!r} (use {', '.join(READERS)})", "unsupported_file")
     return [path]
 
 
-def iter_records(path: str | Path, *, skip_bad: bool = False, stats: ReadStats | None = None,
-                 prompts: bool = False) -> Iterator[Record]:
+def iter_records(
+    path: str | Path, *, skip_bad: bool = False, stats: ReadStats | None = None, prompts: bool = False
+) -> Iterator[Record]:
     """Yield the records of a file or directory in order; bad records raise `DataError` or, with
     `skip_bad`, are counted in `stats` by reason. `prompts`: read prompts to decode from, not
     training data (see the module docstring)."""
@@ -142,11 +154,9 @@ def _to_record(index: int, source: str, obj: Any, prompts: bool) -> Record:
         prompt = _content(obj["prompt"], f"{source}: prompt")
         return Record(index, source, messages=[{"role": "user", "content": prompt}])
     if not present:
-        raise DataError(f"{source}: record has none of 'messages', 'conversations', 'text'",
-                        "no_content_field")
+        raise DataError(f"{source}: record has none of 'messages', 'conversations', 'text'", "no_content_field")
     if len(present) > 1:
-        raise DataError(f"{source}: record has both {present[0]!r} and {present[1]!r}",
-                        "ambiguous_fields")
+        raise DataError(f"{source}: record has both {present[0]!r} and {present[1]!r}", "ambiguous_fields")
     kind = present[0]
     if kind == "text":
         text = obj["text"]
@@ -170,8 +180,7 @@ def _to_record(index: int, source: str, obj: Any, prompts: bool) -> Record:
 def _openai_turn(turn: Any, where: str) -> dict[str, str]:
     role, content = _fields(turn, "role", "content", where)
     if role not in ROLES:
-        raise DataError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})",
-                        "unknown_role")
+        raise DataError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})", "unknown_role")
     if isinstance(content, list):
         content = "\n".join(_text_part(part, where) for part in content)
     return {"role": role, "content": _content(content, where)}
@@ -181,8 +190,9 @@ def _sharegpt_turn(turn: Any, where: str) -> dict[str, str]:
     speaker, value = _fields(turn, "from", "value", where)
     role = SHAREGPT_ROLES.get(speaker.lower())
     if role is None:
-        raise DataError(f"{where}: unknown speaker {speaker!r} (expected one of "
-                        f"{', '.join(SHAREGPT_ROLES)})", "unknown_role")
+        raise DataError(
+            f"{where}: unknown speaker {speaker!r} (expected one of {', '.join(SHAREGPT_ROLES)})", "unknown_role"
+        )
     return {"role": role, "content": _content(value, where)}
 
 
@@ -198,8 +208,9 @@ def _fields(turn: Any, role_key: str, content_key: str, where: str) -> tuple[str
 def _text_part(part: Any, where: str) -> str:
     if not isinstance(part, dict) or part.get("type") != "text":
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        raise DataError(f"{where}: content part of type {kind!r}; only 'text' parts are supported",
-                        "unsupported_content")
+        raise DataError(
+            f"{where}: content part of type {kind!r}; only 'text' parts are supported", "unsupported_content"
+        )
     text = part.get("text")
     if not isinstance(text, str):
         raise DataError(f"{where}: text part without a string 'text'", "wrong_type")
@@ -208,8 +219,10 @@ def _text_part(part: Any, where: str) -> str:
 
 def _content(content: Any, where: str) -> str:
     if not isinstance(content, str):
-        raise DataError(f"{where}: content is a {type(content).__name__}, not a string",
-                        "wrong_type" if content is not None else "empty_content")
+        raise DataError(
+            f"{where}: content is a {type(content).__name__}, not a string",
+            "wrong_type" if content is not None else "empty_content",
+        )
     if not content.strip():
         raise DataError(f"{where}: empty content", "empty_content")
     return content

@@ -46,20 +46,28 @@ def build_tiny_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(_corpus_texts(), trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|pad|>", mask_token=MASK_TOKEN,
-        additional_special_tokens=["<|im_start|>", "<|endoftext|>"])
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        mask_token=MASK_TOKEN,
+        additional_special_tokens=["<|im_start|>", "<|endoftext|>"],
+    )
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(out_dir)
     return tokenizer
 
 
-def build_tiny_target(out_dir: str | Path, arch: str = "qwen3", num_layers: int = 4,
-                      hidden: int = 64, seed: int = 0) -> Path:
+def build_tiny_target(
+    out_dir: str | Path, arch: str = "qwen3", num_layers: int = 4, hidden: int = 64, seed: int = 0
+) -> Path:
     """Save a random `arch` ("qwen3" or "llama") causal LM (head_dim 16, GQA 2:1, untied LM head)
     and its tokenizer into `out_dir`; the same arguments give the same files' contents."""
     if arch not in CONFIGS:
@@ -70,10 +78,19 @@ def build_tiny_target(out_dir: str | Path, arch: str = "qwen3", num_layers: int 
     tokenizer = build_tiny_tokenizer(out_dir)
     heads = hidden // 16
     config = CONFIGS[arch](
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
-        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
-        head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -28,13 +28,14 @@ __all__ = ["TokenizedSample", "tokenize_record", "tokenize_records"]
 @dataclass(frozen=True)
 class TokenizedSample:
     index: int
-    input_ids: np.ndarray   # int32 [S]
-    loss_mask: np.ndarray   # uint8 [S], 1 where the token is a training label
+    input_ids: np.ndarray  # int32 [S]
+    loss_mask: np.ndarray  # uint8 [S], 1 where the token is a training label
     truncated: bool
 
 
-def tokenize_record(record: Record, tokenizer: Any, max_length: int | None, *,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> TokenizedSample:
+def tokenize_record(
+    record: Record, tokenizer: Any, max_length: int | None, *, chat_template_kwargs: dict[str, Any] | None = None
+) -> TokenizedSample:
     """Tokenize one record (see module doc), rendering conversations with the template options
     `chat_template_kwargs`; raises `DataError` for a sample with no loss token."""
     if max_length is not None and max_length < 1:
@@ -43,10 +44,13 @@ def tokenize_record(record: Record, tokenizer: Any, max_length: int | None, *,
         raise TypeError("a fast (tokenizers-backed) tokenizer is needed for offset mapping")
     if record.messages is not None:
         if not tokenizer.chat_template:
-            raise TokenizerError(f"{record.source}: a conversation, but the target's tokenizer has no chat template "
-                                 "(add chat_template.jinja or tokenizer_config.json's chat_template to the target folder)")
-        text, spans = render_with_reply_spans(tokenizer, record.messages, record.source,
-                                             template_kwargs=chat_template_kwargs)
+            raise TokenizerError(
+                f"{record.source}: a conversation, but the target's tokenizer has no chat template "
+                "(add chat_template.jinja or tokenizer_config.json's chat_template to the target folder)"
+            )
+        text, spans = render_with_reply_spans(
+            tokenizer, record.messages, record.source, template_kwargs=chat_template_kwargs
+        )
         encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(encoding["input_ids"], dtype=np.int32)
         mask = _span_mask(np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2), spans)
@@ -73,9 +77,15 @@ def _span_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
     return mask.astype(np.uint8)
 
 
-def tokenize_records(records: Iterable[Record], tokenizer: Any, max_length: int | None, *,
-                     skip_bad: bool = False, stats: ReadStats | None = None,
-                     chat_template_kwargs: dict[str, Any] | None = None) -> Iterator[TokenizedSample]:
+def tokenize_records(
+    records: Iterable[Record],
+    tokenizer: Any,
+    max_length: int | None,
+    *,
+    skip_bad: bool = False,
+    stats: ReadStats | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> Iterator[TokenizedSample]:
     """`tokenize_record` over a stream, counting samples and truncations, skipping bad ones if asked."""
     stats = stats if stats is not None else ReadStats()
     for record in records:

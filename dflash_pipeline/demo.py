@@ -44,30 +44,121 @@ def main(out: str, steps: int) -> None:
         click.echo(f"== building the tiny default target in {target}")
         build_tiny_target(target, arch="qwen3", num_layers=6, hidden=128)
     store, run = root / "store", root / "train"
-    run_step("extract", [
-        sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(sample_corpus_path()), "--out", str(store),
-        "--device", "cpu", "--workers", "2", "--max-length", "512", "--batch-tokens", "4096",
-    ])
+    run_step(
+        "extract",
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.extract.cli",
+            "--target",
+            str(target),
+            "--data",
+            str(sample_corpus_path()),
+            "--out",
+            str(store),
+            "--device",
+            "cpu",
+            "--workers",
+            "2",
+            "--max-length",
+            "512",
+            "--batch-tokens",
+            "4096",
+        ],
+    )
     # --epochs as large as --steps: every epoch holds at least one step (dflash-train refuses a store
     # that does not fill one), so the epoch limit can never end the run before the steps asked for
-    run_step("train", [
-        sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(store), "--out", str(run), "--device", "cpu", "--workers", "2",
-        "--num-layers", "2", "--block-size", "8", "--pack-tokens", "512", "--num-blocks", "32",
-        "--max-steps", str(steps), "--epochs", str(steps), "--lr", "2e-3", "--eval-every", "40", "--checkpoint-every", "60",
-        "--eval-samples", "24", "--loader-workers", "1", "--resume",
-    ])
+    run_step(
+        "train",
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.train.cli",
+            "--store",
+            str(store),
+            "--out",
+            str(run),
+            "--device",
+            "cpu",
+            "--workers",
+            "2",
+            "--num-layers",
+            "2",
+            "--block-size",
+            "8",
+            "--pack-tokens",
+            "512",
+            "--num-blocks",
+            "32",
+            "--max-steps",
+            str(steps),
+            "--epochs",
+            str(steps),
+            "--lr",
+            "2e-3",
+            "--eval-every",
+            "40",
+            "--checkpoint-every",
+            "60",
+            "--eval-samples",
+            "24",
+            "--loader-workers",
+            "1",
+            "--resume",
+        ],
+    )
     evaluation = root / "eval.json"
-    run_step("speculative decoding check", [
-        sys.executable, "-m", "dflash_pipeline.train.eval_cli", "--target", str(target), "--drafter", str(run / "drafter"),
-        "--prompts", str(sample_corpus_path()), "--limit", "4", "--max-new-tokens", "32", "--device", "cpu",
-        "--dtype", "float32", "--json", str(evaluation),
-    ])
+    run_step(
+        "speculative decoding check",
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.train.eval_cli",
+            "--target",
+            str(target),
+            "--drafter",
+            str(run / "drafter"),
+            "--prompts",
+            str(sample_corpus_path()),
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            "32",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--json",
+            str(evaluation),
+        ],
+    )
     sampled_evaluation = root / "eval_t1.json"
-    run_step("speculative sampling at temperature 1", [
-        sys.executable, "-m", "dflash_pipeline.train.eval_cli", "--target", str(target), "--drafter", str(run / "drafter"),
-        "--prompts", str(sample_corpus_path()), "--limit", "4", "--max-new-tokens", "32", "--device", "cpu",
-        "--dtype", "float32", "--temperature", "1", "--json", str(sampled_evaluation),
-    ])
+    run_step(
+        "speculative sampling at temperature 1",
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.train.eval_cli",
+            "--target",
+            str(target),
+            "--drafter",
+            str(run / "drafter"),
+            "--prompts",
+            str(sample_corpus_path()),
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            "32",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--temperature",
+            "1",
+            "--json",
+            str(sampled_evaluation),
+        ],
+    )
     run_step("report", [sys.executable, "-m", "dflash_pipeline.train.report", "--run", str(run)])
     spec = json.loads(evaluation.read_text())
     sampled = json.loads(sampled_evaluation.read_text())
@@ -76,21 +167,30 @@ def main(out: str, steps: int) -> None:
     losses = [r["loss"] for r in records if "loss" in r]
     taus = [r["tau"] for r in records if r.get("type") == "eval"]
     size = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
-    click.echo("\n".join([
-        "", "== demo summary",
-        f"target       {target}",
-        f"store        {store}  ({len(fs)} samples, {fs.num_tokens} tokens, {size / 2**20:.1f} MiB)",
-        f"drafter      {run / 'drafter'}",
-        f"metrics      {run / 'metrics.jsonl'}",
-        f"loss         {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps" if losses else "loss         n/a",
-        f"offline tau  {taus[0]:.3f} -> {taus[-1]:.3f} (accepted tokens per block, held-out)" if taus else "offline tau  n/a",
-        f"dflash-eval  tau {spec['tau']:.2f} (the reference's: mean of per-prompt means; pooled "
-        f"{spec['tau_pooled']:.2f}) on {spec['num_prompts']} prompts, lossless {spec['all_lossless']}, "
-        f"speedup {spec['speedup']:.2f}x  ({evaluation})",
-        f"             at temperature 1: tau {sampled['tau']:.2f} (pooled {sampled['tau_pooled']:.2f})  ({sampled_evaluation})",
-        f"report       {run / 'report.png'}",
-        f"wall time    {time.perf_counter() - started:.0f} s",
-    ]))
+    click.echo(
+        "\n".join(
+            [
+                "",
+                "== demo summary",
+                f"target       {target}",
+                f"store        {store}  ({len(fs)} samples, {fs.num_tokens} tokens, {size / 2**20:.1f} MiB)",
+                f"drafter      {run / 'drafter'}",
+                f"metrics      {run / 'metrics.jsonl'}",
+                f"loss         {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps"
+                if losses
+                else "loss         n/a",
+                f"offline tau  {taus[0]:.3f} -> {taus[-1]:.3f} (accepted tokens per block, held-out)"
+                if taus
+                else "offline tau  n/a",
+                f"dflash-eval  tau {spec['tau']:.2f} (the reference's: mean of per-prompt means; pooled "
+                f"{spec['tau_pooled']:.2f}) on {spec['num_prompts']} prompts, lossless {spec['all_lossless']}, "
+                f"speedup {spec['speedup']:.2f}x  ({evaluation})",
+                f"             at temperature 1: tau {sampled['tau']:.2f} (pooled {sampled['tau_pooled']:.2f})  ({sampled_evaluation})",
+                f"report       {run / 'report.png'}",
+                f"wall time    {time.perf_counter() - started:.0f} s",
+            ]
+        )
+    )
 
 
 if __name__ == "__main__":

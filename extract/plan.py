@@ -40,9 +40,7 @@ def plan_batches(lengths: list[int], batch_tokens: int, max_batch_size: int) -> 
     longest = 0
     for i in order:
         candidate_longest = max(longest, lengths[i])
-        if current and (
-            (len(current) + 1) * candidate_longest > batch_tokens or len(current) >= max_batch_size
-        ):
+        if current and ((len(current) + 1) * candidate_longest > batch_tokens or len(current) >= max_batch_size):
             batches.append(current)
             current, candidate_longest = [], lengths[i]
         current.append(i)

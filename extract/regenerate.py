@@ -48,14 +48,18 @@ class RegenerateSettings:
     top_k: int = option(0, range=(0, None), help="--regenerate: sample among the k likeliest tokens (0: all).")
     seed: int = option(0, help="--regenerate: sampling seed.")
     samples_per_prompt: int = option(
-        1, range=(1, None),
-        help="--regenerate: replies per conversation, each stored as its own sample (needs --temperature > 0).")
+        1,
+        range=(1, None),
+        help="--regenerate: replies per conversation, each stored as its own sample (needs --temperature > 0).",
+    )
 
     def __post_init__(self) -> None:
         check_options(self)
         if self.samples_per_prompt > 1 and self.temperature == 0:
-            raise ConfigError("regenerate: --samples-per-prompt > 1 needs --temperature > 0 "
-                              "(greedy replies to one prompt are all the same)")
+            raise ConfigError(
+                "regenerate: --samples-per-prompt > 1 needs --temperature > 0 "
+                "(greedy replies to one prompt are all the same)"
+            )
 
     @property
     def sampling(self) -> SamplingParams:
@@ -155,8 +159,13 @@ class _Conversation:
         if self.cut:  # end on the last regenerated reply, not on a prompt that was never answered
             while messages[-1]["role"] != "assistant":
                 messages = messages[:-1]
-        return {"index": self.index, "messages": messages, "reply_tokens": self.reply_tokens,
-                "unfinished": self.unfinished, "cut": self.cut}
+        return {
+            "index": self.index,
+            "messages": messages,
+            "reply_tokens": self.reply_tokens,
+            "unfinished": self.unfinished,
+            "cut": self.cut,
+        }
 
 
 class _CacheSink:
@@ -183,8 +192,15 @@ class _CacheSink:
 class _Regenerator:
     """Feeds every conversation's turns through one engine, writing each conversation when its last reply is in."""
 
-    def __init__(self, engine: GenerationEngine, tokenizer: Any, settings: RegenerateSettings, max_length: int,
-                 template_kwargs: dict | None, sink: _CacheSink):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        tokenizer: Any,
+        settings: RegenerateSettings,
+        max_length: int,
+        template_kwargs: dict | None,
+        sink: _CacheSink,
+    ):
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.max_length, self.template_kwargs, self.sink = max_length, template_kwargs, sink
         self.convs: dict[int, _Conversation] = {}
@@ -196,8 +212,9 @@ class _Regenerator:
 
     def _ask_or_finish(self, conv: _Conversation) -> None:
         if conv.advance_to_reply():
-            prompt = generation_prompt_ids(self.tokenizer, conv.new, template_kwargs=self.template_kwargs,
-                                           source=conv.record.source)
+            prompt = generation_prompt_ids(
+                self.tokenizer, conv.new, template_kwargs=self.template_kwargs, source=conv.record.source
+            )
             if len(prompt) < self.max_length:
                 turn = len(conv.reply_tokens)
                 key = request_key(self.settings.seed, conv.input_index, turn, conv.sample)
@@ -245,8 +262,9 @@ def regenerate_records(
     stats.reused = len(samples) - len(todo)
     timing = GenerationTiming()
     if todo:
-        done.update(_generate(todo, load_model(), tokenizer, settings, max_length, cache, rank, engine,
-                              template_kwargs, timing))
+        done.update(
+            _generate(todo, load_model(), tokenizer, settings, max_length, cache, rank, engine, template_kwargs, timing)
+        )
     out: list[tuple[int, Record]] = []
     for i, record in records:
         if record.messages is None:
@@ -256,22 +274,41 @@ def regenerate_records(
         for s in range(n):
             index = sample_index(i, s, n)
             entry = done[index]
-            out.append((index, record if entry["messages"] is None else
-                        Record(record.index, f"{record.source} (regenerated)", messages=entry["messages"])))
+            out.append(
+                (
+                    index,
+                    record
+                    if entry["messages"] is None
+                    else Record(record.index, f"{record.source} (regenerated)", messages=entry["messages"]),
+                )
+            )
             _count(stats, entry)
     return out, stats, timing
 
 
-def _generate(todo: list[_Conversation], model: Any, tokenizer: Any, settings: RegenerateSettings, max_length: int,
-              cache: Path, rank: int, engine_settings: EngineSettings | None, template_kwargs: dict | None,
-              timing: GenerationTiming) -> dict[int, dict]:
+def _generate(
+    todo: list[_Conversation],
+    model: Any,
+    tokenizer: Any,
+    settings: RegenerateSettings,
+    max_length: int,
+    cache: Path,
+    rank: int,
+    engine_settings: EngineSettings | None,
+    template_kwargs: dict | None,
+    timing: GenerationTiming,
+) -> dict[int, dict]:
     stops = stop_token_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None))
     if not stops:
         raise ValueError("regenerate: the tokenizer has no EOS or end-of-turn token; replies would never stop")
     base = engine_settings or EngineSettings()
     capacity = max_length + settings.max_new_tokens
-    engine = GenerationEngine(model, stop_ids=stops, sampling=settings.sampling,
-                              settings=EngineSettings(**{**asdict(base), "max_request_tokens": capacity}))
+    engine = GenerationEngine(
+        model,
+        stop_ids=stops,
+        sampling=settings.sampling,
+        settings=EngineSettings(**{**asdict(base), "max_request_tokens": capacity}),
+    )
     bar = progress_bar(total=len(todo), unit="conv", desc=f"regenerate rank {rank}", disable=rank != 0)
     started = time.perf_counter()
     with open(cache, "a", encoding="utf-8") as file:
@@ -287,8 +324,11 @@ def _generate(todo: list[_Conversation], model: Any, tokenizer: Any, settings: R
             bar.update(len(regenerator.done) - finished_before)
             finished_before = len(regenerator.done)
             seconds = time.perf_counter() - started
-            bar.set_postfix_str(f"{engine.stats['generated_tokens'] / max(seconds, 1e-9):,.0f} tok/s, "
-                                f"{engine.stats['requests']} replies, {engine.running} running", refresh=False)
+            bar.set_postfix_str(
+                f"{engine.stats['generated_tokens'] / max(seconds, 1e-9):,.0f} tok/s, "
+                f"{engine.stats['requests']} replies, {engine.running} running",
+                refresh=False,
+            )
         sink.sync()
     bar.close()
     timing.tokens, timing.seconds = engine.stats["generated_tokens"], time.perf_counter() - started

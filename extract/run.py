@@ -75,9 +75,12 @@ class RunSummary:
 
     def _regenerated_lines(self) -> list[str]:
         r = self.regenerated
-        rate = (f"{self.generated_tokens:,} generated now in {self.generate_seconds:.1f} s "
-                f"({self.generated_tokens / self.generate_seconds:,.0f} tok/s per process)"
-                if self.generate_seconds > 0 else "nothing generated now")
+        rate = (
+            f"{self.generated_tokens:,} generated now in {self.generate_seconds:.1f} s "
+            f"({self.generated_tokens / self.generate_seconds:,.0f} tok/s per process)"
+            if self.generate_seconds > 0
+            else "nothing generated now"
+        )
         return [
             f"regenerated {r['replies']} replies in {r['conversations']} conversations, {r['generated_tokens']:,} tokens; "
             f"{r['unfinished']} replies stopped at --max-new-tokens, {r['cut']} conversations cut at --max-length, "
@@ -104,8 +107,10 @@ def plan_identity(cfg: ExtractConfig, layer_ids: list[int], world_size: int) -> 
 
 def no_records_error(cfg: ExtractConfig, skipped: dict) -> ExtractError:
     reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()))
-    return ExtractError(f"{', '.join(map(str, cfg.data))}: no usable records found"
-                        + (f" ({sum(skipped.values())} skipped by --skip-bad: {reasons})" if skipped else ""))
+    return ExtractError(
+        f"{', '.join(map(str, cfg.data))}: no usable records found"
+        + (f" ({sum(skipped.values())} skipped by --skip-bad: {reasons})" if skipped else "")
+    )
 
 
 def require_records(cfg: ExtractConfig) -> None:
@@ -207,8 +212,9 @@ def seal_store(cfg: ExtractConfig, summaries: list[RankSummary]) -> None:
         {"rank": s.rank, "path": StoreLayout.rank_group_name(s.rank), "samples": s.samples, "tokens": s.tokens}
         for s in sorted(summaries, key=lambda s: s.rank)
     ]
-    mf.mark_complete(root, manifest, shards=shards, weights_fingerprint=weights_fingerprint(root),
-                     counts=merge_counts(summaries))
+    mf.mark_complete(
+        root, manifest, shards=shards, weights_fingerprint=weights_fingerprint(root), counts=merge_counts(summaries)
+    )
 
 
 def merge_counts(summaries: list[RankSummary]) -> dict:
@@ -306,9 +312,11 @@ def run_extraction(cfg: ExtractConfig) -> RunSummary | None:
     layer_ids, complete = prepare_store(cfg, cfg.world_size)
     if complete:
         return summarize(cfg, [], started, True)
-    summaries = run_spawned(cfg, layer_ids) if cfg.world_size > 1 or cfg.device == "cuda" else [
-        run_rank(cfg, 0, 1, torch.device("cpu"), layer_ids)
-    ]
+    summaries = (
+        run_spawned(cfg, layer_ids)
+        if cfg.world_size > 1 or cfg.device == "cuda"
+        else [run_rank(cfg, 0, 1, torch.device("cpu"), layer_ids)]
+    )
     require_samples(cfg, summaries, remove=True)
     seal_store(cfg, summaries)
     return summarize(cfg, summaries, started, False)

@@ -88,7 +88,9 @@ def load_owned_samples(
     return samples, summary, stats
 
 
-def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, device: torch.device, summary: RankSummary) -> list:
+def regenerate_owned(
+    cfg: ExtractConfig, records: list, tokenizer, rank: int, device: torch.device, summary: RankSummary
+) -> list:
     """The owned records' samples with the target's own replies (`--regenerate`), as (sample index,
     record); the full target is loaded only while generating and freed before extraction loads its
     truncated copy."""
@@ -105,8 +107,16 @@ def regenerate_owned(cfg: ExtractConfig, records: list, tokenizer, rank: int, de
     settings = RegenerateSettings.from_dict(cfg.regenerate)
     engine = EngineSettings(max_batch=cfg.gen_batch_size or (512 if device.type == "cuda" else 16))
     regenerated, stats, timing = regenerate_records(
-        records, load_model, tokenizer, settings, max_length=cfg.max_length,
-        cache=StoreLayout(cfg.out).regenerated_file(rank), rank=rank, engine=engine, template_kwargs=cfg.chat_template_kwargs)
+        records,
+        load_model,
+        tokenizer,
+        settings,
+        max_length=cfg.max_length,
+        cache=StoreLayout(cfg.out).regenerated_file(rank),
+        rank=rank,
+        engine=engine,
+        template_kwargs=cfg.chat_template_kwargs,
+    )
     summary.regenerated = stats.to_dict()
     summary.generated_tokens, summary.generate_seconds = timing.tokens, timing.seconds
     loaded.clear()
@@ -189,8 +199,15 @@ class BatchRunner:
         return batch
 
 
-def run_batches(runner: BatchRunner, samples: list[TokenizedSample], batches: list[list[int]], writer: StoreWriter,
-                *, queue_depth: int = 2, progress: tqdm | None = None) -> tuple[int, float]:
+def run_batches(
+    runner: BatchRunner,
+    samples: list[TokenizedSample],
+    batches: list[list[int]],
+    writer: StoreWriter,
+    *,
+    queue_depth: int = 2,
+    progress: tqdm | None = None,
+) -> tuple[int, float]:
     """Forward every batch and store it, batch i+1 queued on the device before batch i is collected.
     Returns (tokens written, seconds the forward waited for the writer)."""
     written, pending = 0, None
@@ -235,8 +252,16 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
         hidden_dtype=cfg.store_dtype,
         capacity_tokens=max(1, summary.tokens),
         capacity_samples=max(1, summary.samples),
-        **{k: v for k, v in (("compression", cfg.compression), ("chunk_tokens", cfg.chunk_tokens),
-                             ("shard_tokens", cfg.shard_tokens), ("write_streams", cfg.write_streams)) if v is not None},
+        **{
+            k: v
+            for k, v in (
+                ("compression", cfg.compression),
+                ("chunk_tokens", cfg.chunk_tokens),
+                ("shard_tokens", cfg.shard_tokens),
+                ("write_streams", cfg.write_streams),
+            )
+            if v is not None
+        },
     )
     done = writer.resume()
     summary.resumed_batches = done

@@ -59,7 +59,7 @@ def random_layout(seed, batch=2, S=40, N=6, B=4):
         doc = torch.full((S,), -1)
         edges = [0, *cuts, S - 3]
         for d in range(len(edges) - 1):
-            doc[edges[d]:edges[d + 1]] = d
+            doc[edges[d] : edges[d + 1]] = d
         n_valid = int(torch.randint(1, N + 1, (1,), generator=g))
         starts = torch.tensor(edges[:-1])
         picks = torch.cat([starts, torch.randint(0, S - 3, (N,), generator=g)])[:n_valid]
@@ -86,7 +86,12 @@ def test_mask_mod_equals_dense_mask(seed, window):
 
 def test_fully_masked_rows_give_zeros_not_nan_in_every_backend():
     S, N, B = 16, 2, 8
-    args = (torch.tensor([[5, 0]]), torch.tensor([[0, -1]]), torch.tensor([[True, False]]), torch.zeros(1, S, dtype=torch.long))
+    args = (
+        torch.tensor([[5, 0]]),
+        torch.tensor([[0, -1]]),
+        torch.tensor([[True, False]]),
+        torch.zeros(1, S, dtype=torch.long),
+    )
     dense = A.dense_mask(*args, block_size=B)
     block_mask = A.build_block_mask(*args, block_size=B, device="cpu", compile=False)
     q = torch.randn(1, 4, N * B, 8, requires_grad=True)
@@ -129,7 +134,9 @@ def test_compiled_call_steps_down_kernel_options_on_resource_error(monkeypatch):
     def fake(q, k, v, *, block_mask, scale, enable_gqa, kernel_options):
         calls.append(kernel_options)
         if kernel_options is None:
-            raise RuntimeError("inductor failed") from OutOfResources("out of resource: shared memory, Required: 147456")
+            raise RuntimeError("inductor failed") from OutOfResources(
+                "out of resource: shared memory, Required: 147456"
+            )
         return q
 
     monkeypatch.setattr(A, "_compiled_flex", fake)

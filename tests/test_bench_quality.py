@@ -17,8 +17,19 @@ def prompts(path: Path) -> list[str]:
 
 
 def test_first_turn_prompts_drop_normalised_duplicates(tmp_path: Path) -> None:
-    users = ["continue", "Explain DNS", "  Continue\n", "explain   dns", "write a haiku", "CONTINUE",
-             "short", "Sort a list in Python", "write a haiku ", "What is 2+2?", "Name three rivers"]
+    users = [
+        "continue",
+        "Explain DNS",
+        "  Continue\n",
+        "explain   dns",
+        "write a haiku",
+        "CONTINUE",
+        "short",
+        "Sort a list in Python",
+        "write a haiku ",
+        "What is 2+2?",
+        "Name three rivers",
+    ]
     source = tmp_path / "sharegpt.json"
     source.write_text(json.dumps([conversation(u) for u in users]))
     train, held = first_turn_prompts(tmp_path, 3, 2, source)

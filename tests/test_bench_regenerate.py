@@ -11,13 +11,41 @@ from bench.regenerate import draw_lengths, main
 
 def test_bench_regenerate_smoke(tmp_path: Path) -> None:
     out = tmp_path / "regenerate.json"
-    returned = main(["--shape", "tiny", "--device", "cpu", "--requests", "6", "--baseline-requests", "4",
-                     "--max-prompt", "24", "--max-reply", "12", "--batch", "4", "--sampled", "--profile-prefill", "3",
-                     "--json", str(out)])
+    returned = main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--requests",
+            "6",
+            "--baseline-requests",
+            "4",
+            "--max-prompt",
+            "24",
+            "--max-reply",
+            "12",
+            "--batch",
+            "4",
+            "--sampled",
+            "--profile-prefill",
+            "3",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert result["errors"] == [] and "partial" not in result
-    assert set(result) >= {"workload", "copy_bandwidth_GBps", "weight_bytes", "weight_bytes_read_per_step",
-                           "kv_bytes_per_token", "engine", "hf_generate", "recipe_estimate"}
+    assert set(result) >= {
+        "workload",
+        "copy_bandwidth_GBps",
+        "weight_bytes",
+        "weight_bytes_read_per_step",
+        "kv_bytes_per_token",
+        "engine",
+        "hf_generate",
+        "recipe_estimate",
+    }
     drawn = result["workload"]["reply_tokens"]["total"]
     assert result["workload"]["requests"] == 6
     # tiny target: 4 layers x 2 kv heads x head_dim 16, float32

@@ -138,22 +138,28 @@ def test_dflash_loss_without_labels_is_zero_and_connected():
 
 def test_dflash_loss_refuses_trainable_head():
     with pytest.raises(ValueError, match="frozen"):
-        dflash_loss(torch.randn(1, 4, 4), torch.zeros(1, 4, dtype=torch.long), torch.randn(5, 4, requires_grad=True), 4, 2.0)
+        dflash_loss(
+            torch.randn(1, 4, 4), torch.zeros(1, 4, dtype=torch.long), torch.randn(5, 4, requires_grad=True), 4, 2.0
+        )
 
 
 def test_acceptance_length_hand_cases():
-    labels = torch.tensor([
-        [X, 1, 2, 3, 4],
-        [X, 1, 2, 3, 4],
-        [X, 1, 2, 3, 4],
-        [X, 1, 2, X, 4],  # the unlabeled position ends the run even though later ones match
-        [X, X, X, X, X],  # a padding block
-    ])
-    pred = torch.tensor([
-        [0, 1, 2, 3, 4],
-        [0, 1, 9, 3, 4],
-        [0, 5, 2, 3, 4],
-        [0, 1, 2, X, 4],
-        [0, X, X, X, X],
-    ])
+    labels = torch.tensor(
+        [
+            [X, 1, 2, 3, 4],
+            [X, 1, 2, 3, 4],
+            [X, 1, 2, 3, 4],
+            [X, 1, 2, X, 4],  # the unlabeled position ends the run even though later ones match
+            [X, X, X, X, X],  # a padding block
+        ]
+    )
+    pred = torch.tensor(
+        [
+            [0, 1, 2, 3, 4],
+            [0, 1, 9, 3, 4],
+            [0, 5, 2, 3, 4],
+            [0, 1, 2, X, 4],
+            [0, X, X, X, X],
+        ]
+    )
     assert acceptance_length(pred, labels).tolist() == [5, 2, 1, 3, 1]

@@ -28,14 +28,22 @@ from dflash_pipeline.shared.store.reader import FeatureStore
 # real Qwen3 template it keeps the block in earlier turns too, so multi-turn chats stay prefix-stable.
 _THINK_PROMPT = "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}"
 assert QWEN3_STYLE_TEMPLATE.count(_THINK_PROMPT) == 1
-QWEN3_LIKE_TEMPLATE = QWEN3_STYLE_TEMPLATE.replace(_THINK_PROMPT, (
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"))
+QWEN3_LIKE_TEMPLATE = QWEN3_STYLE_TEMPLATE.replace(
+    _THINK_PROMPT,
+    (
+        "{{- '<|im_start|>assistant\\n' -}}"
+        "{%- if enable_thinking is defined and enable_thinking is false -%}"
+        "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+        "{%- endif -%}"
+    ),
+)
 NO_THINKING = {"enable_thinking": False}
-CHAT = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."},
-        {"role": "user", "content": "And three?"}, {"role": "assistant", "content": "Five, no, six."}]
+CHAT = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "And three?"},
+    {"role": "assistant", "content": "Five, no, six."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +87,10 @@ def test_empty_think_block_is_reply_by_default_and_prompt_without_thinking(tok):
     # empty think block itself (trained on), with enable_thinking=false the prompt already holds it
     # (context, loss 0) -- the reference DFlash recipe's rule, applied by render_with_reply_spans.
     assert np.array_equal(default.input_ids, no_thinking.input_ids)
-    assert masked_runs(default, tok) == ["<think>\n\n</think>\n\nFour.<|im_end|>",
-                                         "<think>\n\n</think>\n\nFive, no, six.<|im_end|>"]
+    assert masked_runs(default, tok) == [
+        "<think>\n\n</think>\n\nFour.<|im_end|>",
+        "<think>\n\n</think>\n\nFive, no, six.<|im_end|>",
+    ]
     assert masked_runs(no_thinking, tok) == ["Four.<|im_end|>", "Five, no, six.<|im_end|>"]
 
 
@@ -90,13 +100,14 @@ def test_generation_prompt_ids_line_up_with_the_tokenized_conversation(tok, kwar
     sample = tokenize_record(Record(0, "chat.jsonl:1", messages=CHAT), tok, None, chat_template_kwargs=kwargs)
     for turn in (1, 3):
         prompt = generation_prompt_ids(tok, CHAT[:turn], template_kwargs=kwargs)
-        assert sample.input_ids[:len(prompt)].tolist() == prompt
+        assert sample.input_ids[: len(prompt)].tolist() == prompt
         assert sample.loss_mask[len(prompt) - 1] == 0 and sample.loss_mask[len(prompt)] == 1
-        hf = tok.apply_chat_template(CHAT[:turn], add_generation_prompt=True, tokenize=True, return_dict=False,
-                                     **(kwargs or {}))
+        hf = tok.apply_chat_template(
+            CHAT[:turn], add_generation_prompt=True, tokenize=True, return_dict=False, **(kwargs or {})
+        )
         assert prompt == list(hf)
     with_block = generation_prompt_ids(tok, CHAT[:1], template_kwargs=NO_THINKING)
-    assert tok.decode(with_block[len(generation_prompt_ids(tok, CHAT[:1])):]) == "<think>\n\n</think>\n\n"
+    assert tok.decode(with_block[len(generation_prompt_ids(tok, CHAT[:1])) :]) == "<think>\n\n</think>\n\n"
 
 
 def small_corpus(tmp_path: Path, n: int) -> Path:
@@ -106,8 +117,16 @@ def small_corpus(tmp_path: Path, n: int) -> Path:
 
 
 def config(target: Path, data: Path, out: Path, kwargs: dict | None) -> ExtractConfig:
-    return ExtractConfig(target=str(target), data=(str(data),), out=str(out), device="cpu", layers="0,2",
-                         batch_tokens=512, max_length=256, chat_template_kwargs=kwargs)
+    return ExtractConfig(
+        target=str(target),
+        data=(str(data),),
+        out=str(out),
+        device="cpu",
+        layers="0,2",
+        batch_tokens=512,
+        max_length=256,
+        chat_template_kwargs=kwargs,
+    )
 
 
 def test_extraction_stores_the_kwargs_tokenization_and_refuses_other_kwargs(qwen3_like_dir, tok, tmp_path):
@@ -134,13 +153,17 @@ def test_extraction_stores_the_kwargs_tokenization_and_refuses_other_kwargs(qwen
             run_extraction(config(qwen3_like_dir, data, out, other))
 
 
-def test_unfinished_store_resumes_with_the_same_kwargs_and_starts_over_with_others_while_empty(qwen3_like_dir, tmp_path):
+def test_unfinished_store_resumes_with_the_same_kwargs_and_starts_over_with_others_while_empty(
+    qwen3_like_dir, tmp_path
+):
     """Other kwargs on a store with committed samples are refused (above, on a complete store)."""
     data, out = small_corpus(tmp_path, 2), tmp_path / "store"
     assert prepare_store(config(qwen3_like_dir, data, out, NO_THINKING), 1)[1] is False  # new, incomplete
     assert prepare_store(config(qwen3_like_dir, data, out, NO_THINKING), 1)[1] is False  # resumable
     assert load_manifest(out).data["chat_template_kwargs"] == NO_THINKING
-    assert prepare_store(config(qwen3_like_dir, data, out, {"enable_thinking": True}), 1)[1] is False  # nothing committed
+    assert (
+        prepare_store(config(qwen3_like_dir, data, out, {"enable_thinking": True}), 1)[1] is False
+    )  # nothing committed
     assert load_manifest(out).data["chat_template_kwargs"] == {"enable_thinking": True}
 
 
@@ -155,13 +178,16 @@ def invoke_extract(monkeypatch, args: list[str]):
     return result, seen.get("cfg")
 
 
-@pytest.mark.parametrize("toml, flag, want", [
-    (None, '{"enable_thinking": false}', NO_THINKING),
-    ("chat-template-kwargs = {enable_thinking = false}", None, NO_THINKING),  # TOML inline table
-    ("chat_template_kwargs = '{\"enable_thinking\": false}'", None, NO_THINKING),  # JSON string
-    ("chat-template-kwargs = {enable_thinking = false}", '{"a": [1, 2]}', {"a": [1, 2]}),  # the flag wins
-    (None, None, None),
-])
+@pytest.mark.parametrize(
+    "toml, flag, want",
+    [
+        (None, '{"enable_thinking": false}', NO_THINKING),
+        ("chat-template-kwargs = {enable_thinking = false}", None, NO_THINKING),  # TOML inline table
+        ("chat_template_kwargs = '{\"enable_thinking\": false}'", None, NO_THINKING),  # JSON string
+        ("chat-template-kwargs = {enable_thinking = false}", '{"a": [1, 2]}', {"a": [1, 2]}),  # the flag wins
+        (None, None, None),
+    ],
+)
 def test_cli_reads_the_kwargs_from_the_flag_or_the_config_file(monkeypatch, tmp_path, toml, flag, want):
     args = []
     if toml is not None:
@@ -174,18 +200,28 @@ def test_cli_reads_the_kwargs_from_the_flag_or_the_config_file(monkeypatch, tmp_
     assert cfg.chat_template_kwargs == want
 
 
-@pytest.mark.parametrize("value, what", [
-    ("[1]", "got '[1]'"), ('"x"', "got '\"x\"'"), ("null", "got 'null'"), ("{bad", "got '{bad' (Expecting"),
-])
+@pytest.mark.parametrize(
+    "value, what",
+    [
+        ("[1]", "got '[1]'"),
+        ('"x"', "got '\"x\"'"),
+        ("null", "got 'null'"),
+        ("{bad", "got '{bad' (Expecting"),
+    ],
+)
 def test_cli_rejects_anything_but_a_json_object(monkeypatch, value, what):
     result, cfg = invoke_extract(monkeypatch, ["--chat-template-kwargs", value])
     assert_one_error_line(result, cfg, what)
 
 
-@pytest.mark.parametrize("toml, what", [
-    ("chat-template-kwargs = [1]", "got [1]"), ("chat-template-kwargs = 'true'", "got 'true'"),
-    ("chat-template-kwargs = {day = 2024-01-01}", "not JSON serializable"),
-])
+@pytest.mark.parametrize(
+    "toml, what",
+    [
+        ("chat-template-kwargs = [1]", "got [1]"),
+        ("chat-template-kwargs = 'true'", "got 'true'"),
+        ("chat-template-kwargs = {day = 2024-01-01}", "not JSON serializable"),
+    ],
+)
 def test_cli_rejects_a_config_value_that_is_no_json_object(monkeypatch, tmp_path, toml, what):
     (tmp_path / "run.toml").write_text(f"[extract]\n{toml}\n")
     result, cfg = invoke_extract(monkeypatch, ["--config", str(tmp_path / "run.toml")])

@@ -22,23 +22,42 @@ def test_config_file_sets_defaults_and_flags_override_it(monkeypatch, tmp_path):
     (tmp_path / "store").mkdir()
     toml = tmp_path / "run.toml"
     toml.write_text('[train]\nnum-layers = 3\nblock_size = 4\nlr = 1e-4\n[extract]\nlayers = "1,2"\n')
-    result, cfg = captured_train_config(monkeypatch, tmp_path, [
-        "--config", str(toml), "--store", str(tmp_path / "store"), "--out", str(tmp_path / "o"),
-        "--device", "cpu", "--block-size", "8"])
+    result, cfg = captured_train_config(
+        monkeypatch,
+        tmp_path,
+        [
+            "--config",
+            str(toml),
+            "--store",
+            str(tmp_path / "store"),
+            "--out",
+            str(tmp_path / "o"),
+            "--device",
+            "cpu",
+            "--block-size",
+            "8",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert (cfg.num_layers, cfg.block_size, cfg.lr) == (3, 8, 1e-4)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[train]\nnum_layer = 3\n", "unknown keys in [train]: num_layer"),
-    ("[train\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[train]\nnum_layer = 3\n", "unknown keys in [train]: num_layer"),
+        ("[train\n", "not valid TOML"),
+    ],
+)
 def test_bad_config_file_is_a_clear_error(monkeypatch, tmp_path, text, message):
     (tmp_path / "store").mkdir()
     toml = tmp_path / "run.toml"
     toml.write_text(text)
-    result, cfg = captured_train_config(monkeypatch, tmp_path, [
-        "--config", str(toml), "--store", str(tmp_path / "store"), "--out", str(tmp_path / "o"), "--device", "cpu"])
+    result, cfg = captured_train_config(
+        monkeypatch,
+        tmp_path,
+        ["--config", str(toml), "--store", str(tmp_path / "store"), "--out", str(tmp_path / "o"), "--device", "cpu"],
+    )
     assert result.exit_code != 0 and cfg is None
     assert message in result.output and "run.toml" in result.output
 
@@ -46,8 +65,10 @@ def test_bad_config_file_is_a_clear_error(monkeypatch, tmp_path, text, message):
 def test_report_draws_a_png_of_loss_and_tau(tmp_path):
     from dflash_pipeline.train.report import main
 
-    rows = [{"step": s, "loss": 5.0 / s, "lr": 1e-3} for s in range(1, 21)] + [{"step": 10, "type": "eval", "tau": 1.5},
-                                                                            {"step": 20, "type": "eval", "tau": 2.0}]
+    rows = [{"step": s, "loss": 5.0 / s, "lr": 1e-3} for s in range(1, 21)] + [
+        {"step": 10, "type": "eval", "tau": 1.5},
+        {"step": 20, "type": "eval", "tau": 2.0},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = CliRunner().invoke(main, ["--run", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -83,11 +104,15 @@ def test_report_accepts_dash_h():
 LOSS_ROWS = "".join(json.dumps({"step": s, "loss": 5.0 / s}) + "\n" for s in range(1, 4))
 
 
-@pytest.mark.parametrize("text, line, what", [
-    (LOSS_ROWS.replace("\n", "\ngarbage\n", 1), 2, "not a JSON record"),  # a bad line before good ones
-    (LOSS_ROWS + "{\"step\": 4, \"lo\n", 4, "not a JSON record"),  # cut short yet followed by a newline
-    (LOSS_ROWS + "[1, 2]\n", 4, "not a JSON object but list"),
-], ids=["bad-middle-line", "bad-last-line-with-newline", "not-an-object"])
+@pytest.mark.parametrize(
+    "text, line, what",
+    [
+        (LOSS_ROWS.replace("\n", "\ngarbage\n", 1), 2, "not a JSON record"),  # a bad line before good ones
+        (LOSS_ROWS + '{"step": 4, "lo\n', 4, "not a JSON record"),  # cut short yet followed by a newline
+        (LOSS_ROWS + "[1, 2]\n", 4, "not a JSON object but list"),
+    ],
+    ids=["bad-middle-line", "bad-last-line-with-newline", "not-an-object"],
+)
 def test_report_of_a_malformed_metrics_line_is_one_line_naming_it(tmp_path, text, line, what):
     from dflash_pipeline.train.report import main
 
@@ -95,7 +120,8 @@ def test_report_of_a_malformed_metrics_line_is_one_line_naming_it(tmp_path, text
     result = CliRunner().invoke(main, ["--run", str(tmp_path)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output  # no traceback
     assert result.output.strip().splitlines() == [
-        next(line for line in result.output.splitlines() if line.startswith("dflash-report: error: "))]
+        next(line for line in result.output.splitlines() if line.startswith("dflash-report: error: "))
+    ]
     assert f"metrics.jsonl: line {line} is {what}" in result.output
     assert not (tmp_path / "report.png").exists()
 
@@ -135,13 +161,17 @@ def device_cli(name: str, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["extract", "train", "eval"])
-@pytest.mark.parametrize("has_cuda, args, device, line", [
-    (False, [], "cpu", "running on cpu (no CUDA device)"),
-    (True, [], "cuda", "running on cuda"),
-    (True, ["--device", "cpu"], "cpu", "running on cpu"),
-])
+@pytest.mark.parametrize(
+    "has_cuda, args, device, line",
+    [
+        (False, [], "cpu", "running on cpu (no CUDA device)"),
+        (True, [], "cuda", "running on cuda"),
+        (True, ["--device", "cpu"], "cpu", "running on cpu"),
+    ],
+)
 def test_device_auto_picks_cuda_when_there_is_one_and_the_first_line_says_so(
-        monkeypatch, tmp_path, name, has_cuda, args, device, line):
+    monkeypatch, tmp_path, name, has_cuda, args, device, line
+):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: has_cuda)
@@ -173,7 +203,7 @@ def test_gpus_on_the_cpu_is_a_one_line_error(monkeypatch, tmp_path, name):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     main = extract_main if name == "extract" else train_main
     (tmp_path / "store").mkdir()
-    required = (["--target", "t", "--data", "d.jsonl"] if name == "extract" else ["--store", str(tmp_path / "store")])
+    required = ["--target", "t", "--data", "d.jsonl"] if name == "extract" else ["--store", str(tmp_path / "store")]
     result = CliRunner().invoke(main, required + ["--out", str(tmp_path / "o"), "--gpus", "0"])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
     assert result.stderr.splitlines()[-1] == f"dflash-{name}: error: --gpus 0: this run is on the CPU (no CUDA device)"

@@ -31,12 +31,20 @@ def names(*classes) -> set[str]:
     return {f.name for cls in classes for f in dataclasses.fields(cls)}
 
 
-@pytest.mark.parametrize("main, cls, required, args, extra", [
-    (extract_main, ExtractConfig, EXTRACT_REQUIRED, ["--target", "t", "--data", "d.jsonl", "--out", "o"], {}),
-    (extract_main, ExtractConfig, EXTRACT_REQUIRED, ["--target", "t", "--data", "d.jsonl", "--out", "o", "--regenerate"],
-     {"regenerate": RegenerateSettings().to_dict()}),
-    (train_main, TrainConfig, TRAIN_REQUIRED, ["--store", "s", "--out", "o"], {}),
-])
+@pytest.mark.parametrize(
+    "main, cls, required, args, extra",
+    [
+        (extract_main, ExtractConfig, EXTRACT_REQUIRED, ["--target", "t", "--data", "d.jsonl", "--out", "o"], {}),
+        (
+            extract_main,
+            ExtractConfig,
+            EXTRACT_REQUIRED,
+            ["--target", "t", "--data", "d.jsonl", "--out", "o", "--regenerate"],
+            {"regenerate": RegenerateSettings().to_dict()},
+        ),
+        (train_main, TrainConfig, TRAIN_REQUIRED, ["--store", "s", "--out", "o"], {}),
+    ],
+)
 def test_every_field_is_an_option_with_the_fields_default(main, cls, required, args, extra):
     params = parsed(main, args)
     settings = (RegenerateSettings,) if cls is ExtractConfig else ()
@@ -45,35 +53,68 @@ def test_every_field_is_an_option_with_the_fields_default(main, cls, required, a
 
 
 def test_options_parse_into_the_fields_types():
-    params = parsed(extract_main, ["--target", "t", "--data", "a", "--data", "b", "--out", "o", "--gpus", "0,1,2",
-                                   "--chat-template-kwargs", '{"enable_thinking": false}', "--no-compile"])
+    params = parsed(
+        extract_main,
+        [
+            "--target",
+            "t",
+            "--data",
+            "a",
+            "--data",
+            "b",
+            "--out",
+            "o",
+            "--gpus",
+            "0,1,2",
+            "--chat-template-kwargs",
+            '{"enable_thinking": false}',
+            "--no-compile",
+        ],
+    )
     cfg = config_from_cli(ExtractConfig, params)
-    assert (cfg.data, cfg.gpus, cfg.chat_template_kwargs, cfg.compile) == (("a", "b"), (0, 1, 2),
-                                                                           {"enable_thinking": False}, False)
+    assert (cfg.data, cfg.gpus, cfg.chat_template_kwargs, cfg.compile) == (
+        ("a", "b"),
+        (0, 1, 2),
+        {"enable_thinking": False},
+        False,
+    )
 
 
-@pytest.mark.parametrize("make, option", [
-    (lambda: TrainConfig(**TRAIN_REQUIRED, pack_tokens=200), "--pack-tokens"),
-    (lambda: TrainConfig(**TRAIN_REQUIRED, num_blocks=3), "--num-blocks x --block-size"),
-    (lambda: TrainConfig(**TRAIN_REQUIRED, epochs=0), "--epochs"),
-    (lambda: TrainConfig(**TRAIN_REQUIRED, attention="flash"), "--attention"),
-    (lambda: ExtractConfig(**EXTRACT_REQUIRED, store_dtype="int8"), "--store-dtype"),
-    (lambda: ExtractConfig(**EXTRACT_REQUIRED, chunk_tokens=3, shard_tokens=10), "--shard-tokens"),
-    (lambda: RegenerateSettings(top_p=0.0), "--top-p"),
-    (lambda: RegenerateSettings(samples_per_prompt=2), "--samples-per-prompt > 1 needs --temperature > 0"),
-])
+@pytest.mark.parametrize(
+    "make, option",
+    [
+        (lambda: TrainConfig(**TRAIN_REQUIRED, pack_tokens=200), "--pack-tokens"),
+        (lambda: TrainConfig(**TRAIN_REQUIRED, num_blocks=3), "--num-blocks x --block-size"),
+        (lambda: TrainConfig(**TRAIN_REQUIRED, epochs=0), "--epochs"),
+        (lambda: TrainConfig(**TRAIN_REQUIRED, attention="flash"), "--attention"),
+        (lambda: ExtractConfig(**EXTRACT_REQUIRED, store_dtype="int8"), "--store-dtype"),
+        (lambda: ExtractConfig(**EXTRACT_REQUIRED, chunk_tokens=3, shard_tokens=10), "--shard-tokens"),
+        (lambda: RegenerateSettings(top_p=0.0), "--top-p"),
+        (lambda: RegenerateSettings(samples_per_prompt=2), "--samples-per-prompt > 1 needs --temperature > 0"),
+    ],
+)
 def test_the_dataclass_refuses_a_bad_value_naming_the_option(make, option):
     with pytest.raises(ConfigError, match=option) as caught:
         make()
     assert isinstance(caught.value, UserError)
 
 
-@pytest.mark.parametrize("main, args, option", [
-    (train_main, ["--store", "s", "--out", "o", "--pack-tokens", "200"], "--pack-tokens"),
-    (extract_main, ["--target", "t", "--data", "d", "--out", "o", "--samples-per-prompt", "2"], "--samples-per-prompt"),
-    (extract_main, ["--target", "t", "--data", "d", "--out", "o", "--chunk-tokens", "3", "--shard-tokens", "10"],
-     "--shard-tokens"),
-])
+@pytest.mark.parametrize(
+    "main, args, option",
+    [
+        (train_main, ["--store", "s", "--out", "o", "--pack-tokens", "200"], "--pack-tokens"),
+        (
+            extract_main,
+            ["--target", "t", "--data", "d", "--out", "o", "--samples-per-prompt", "2"],
+            "--samples-per-prompt",
+        ),
+        (
+            extract_main,
+            ["--target", "t", "--data", "d", "--out", "o", "--chunk-tokens", "3", "--shard-tokens", "10"],
+            "--shard-tokens",
+        ),
+    ],
+)
 def test_the_cli_turns_a_refused_config_into_a_usage_error(monkeypatch, main, args, option):
     import dflash_pipeline.extract.run as extract_run
     import dflash_pipeline.train.run as train_run

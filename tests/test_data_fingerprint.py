@@ -28,8 +28,9 @@ def test_data_fingerprint_follows_content_names_and_settings(tmp_path):
     # the split between files is part of the data, not only the concatenated bytes
     (tmp_path / "x.jsonl").write_text('{"text": "hello"}\n{"text": "world"}\n')
     (tmp_path / "y.jsonl").write_text("")
-    assert data_fingerprint([tmp_path / "x.jsonl", tmp_path / "y.jsonl"], settings) != \
-        data_fingerprint([one / "a.jsonl", one / "c.jsonl"], settings)
+    assert data_fingerprint([tmp_path / "x.jsonl", tmp_path / "y.jsonl"], settings) != data_fingerprint(
+        [one / "a.jsonl", one / "c.jsonl"], settings
+    )
 
 
 def test_data_fingerprint_ignores_how_the_path_is_typed(tmp_path, monkeypatch):
@@ -39,8 +40,13 @@ def test_data_fingerprint_ignores_how_the_path_is_typed(tmp_path, monkeypatch):
     (tmp_path / "link").symlink_to(tmp_path / "d")
     monkeypatch.chdir(tmp_path)
     for root in ("d", "d/a.jsonl"):
-        spellings = [root, f"./{root}", str(tmp_path / root), str(tmp_path / root.replace("d", "link", 1)),
-                     f"link/../{root}"]
+        spellings = [
+            root,
+            f"./{root}",
+            str(tmp_path / root),
+            str(tmp_path / root.replace("d", "link", 1)),
+            f"link/../{root}",
+        ]
         assert len({data_fingerprint(p, {}) for p in spellings}) == 1, root
 
 

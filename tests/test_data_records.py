@@ -10,10 +10,16 @@ import pytest
 
 from dflash_pipeline.data import DataError, ReadStats, Record, iter_records, load_sharegpt_package_path, readers
 
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4."}]
-SHAREGPT = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
-            {"from": "gpt", "value": "4."}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4."},
+]
+SHAREGPT = [
+    {"from": "system", "value": "Be brief."},
+    {"from": "human", "value": "2+2?"},
+    {"from": "gpt", "value": "4."},
+]
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -23,10 +29,13 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def test_openai_messages_with_text_parts(tmp_path):
     parts = [{"type": "text", "text": "2+2?"}, {"type": "text", "text": "Answer in digits."}]
-    path = write_jsonl(tmp_path / "chat.jsonl", [
-        {"id": "a", "messages": CHAT},
-        {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "4"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"id": "a", "messages": CHAT},
+            {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "4"}]},
+        ],
+    )
     records = list(iter_records(path))
     assert records[0] == Record(0, f"{path}:1", messages=CHAT)
     assert records[1].index == 1 and records[1].source == f"{path}:2"
@@ -47,7 +56,9 @@ def test_plain_text(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world"}, "", "   ", {"text": "again"}])
     records = list(iter_records(path))
     assert [(r.index, r.source, r.text, r.messages) for r in records] == [
-        (0, f"{path}:1", "hello world", None), (1, f"{path}:4", "again", None)]
+        (0, f"{path}:1", "hello world", None),
+        (1, f"{path}:4", "again", None),
+    ]
 
 
 def test_json_array_and_concatenated_json(tmp_path):
@@ -63,13 +74,12 @@ def test_json_array_and_concatenated_json(tmp_path):
     # JSON Lines (or pretty-printed objects back to back) saved as .json
     concatenated = tmp_path / "c.json"
     concatenated.write_text("\n".join(json.dumps(r, indent=1) for r in rows))
-    assert [(r.messages, r.text) for r in iter_records(concatenated)] == [
-        (r.messages, r.text) for r in records]
+    assert [(r.messages, r.text) for r in iter_records(concatenated)] == [(r.messages, r.text) for r in records]
 
 
 def test_json_array_decoded_across_tiny_read_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(readers, "_READ_CHUNK", 7)
-    rows = [{"text": f"record {n} " + "é" * n, "n": 10 ** n} for n in range(12)]
+    rows = [{"text": f"record {n} " + "é" * n, "n": 10**n} for n in range(12)]
     path = tmp_path / "a.json"
     path.write_text(json.dumps(rows), encoding="utf-8")
     assert [r.text for r in iter_records(path)] == [row["text"] for row in rows]
@@ -133,17 +143,20 @@ BAD_RECORDS = [
     ({"messages": "hello"}, "wrong_type"),
     ({"messages": []}, "empty_conversation"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant_turn"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}]},
-     "empty_content"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
-     "empty_content"),
-    ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]},
-     "unknown_role"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}]}, "empty_content"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, "empty_content"),
+    ({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}, "unknown_role"),
     ({"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]}, "wrong_type"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
-                   {"role": "assistant", "content": "y"}]}, "unsupported_content"),
-    ({"conversations": [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}]},
-     "unknown_role"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                {"role": "assistant", "content": "y"},
+            ]
+        },
+        "unsupported_content",
+    ),
+    ({"conversations": [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}]}, "unknown_role"),
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": 5}]}, "wrong_type"),
     ({"conversations": [{"from": "human", "value": "x"}]}, "no_assistant_turn"),
     ({"text": ""}, "empty_text"),
@@ -177,8 +190,13 @@ def test_skip_bad_counts_every_reason(tmp_path):
 
 def test_directory_order_and_indices_are_deterministic(tmp_path):
     def make(root: Path, order: list[str]) -> None:
-        contents = {"b.jsonl": [{"text": "b1"}, {"text": "b2"}], "a/z.jsonl": [{"text": "az"}],
-                    "a/c.json": None, ".hidden.jsonl": [{"text": "hidden"}], "notes.txt": None}
+        contents = {
+            "b.jsonl": [{"text": "b1"}, {"text": "b2"}],
+            "a/z.jsonl": [{"text": "az"}],
+            "a/c.json": None,
+            ".hidden.jsonl": [{"text": "hidden"}],
+            "notes.txt": None,
+        }
         for name in order:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             if name == "a/c.json":
@@ -197,7 +215,11 @@ def test_directory_order_and_indices_are_deterministic(tmp_path):
         stats = ReadStats()
         records = list(iter_records(root, stats=stats))
         assert [Path(f).relative_to(root).as_posix() for f in stats.files] == [
-            "a.parquet", "a/c.json", "a/z.jsonl", "b.jsonl"]
+            "a.parquet",
+            "a/c.json",
+            "a/z.jsonl",
+            "b.jsonl",
+        ]
         seen.append([(r.index, r.text) for r in records])
     assert seen[0] == seen[1] == [(0, "ap"), (1, "ac"), (2, "az"), (3, "b1"), (4, "b2")]
 
@@ -231,9 +253,11 @@ def write_columnar(path: Path, rows: list[dict]) -> Path:
 
 @pytest.mark.parametrize("name", ["data.parquet", "data.feather", "data.arrow"])
 def test_columnar_round_trip(tmp_path, name):
-    rows = [{"messages": CHAT, "conversations": None, "text": None},
-            {"messages": None, "conversations": SHAREGPT, "text": None},
-            {"messages": None, "conversations": None, "text": "plain"}]
+    rows = [
+        {"messages": CHAT, "conversations": None, "text": None},
+        {"messages": None, "conversations": SHAREGPT, "text": None},
+        {"messages": None, "conversations": None, "text": "plain"},
+    ]
     jsonl = write_jsonl(tmp_path / "same.jsonl", [{k: v for k, v in r.items() if v} for r in rows])
     path = write_columnar(tmp_path / name, rows)
     got = list(iter_records(path))
@@ -242,8 +266,9 @@ def test_columnar_round_trip(tmp_path, name):
 
 
 def test_columnar_bad_row_and_missing_column(tmp_path):
-    path = write_columnar(tmp_path / "bad.parquet", [
-        {"messages": CHAT}, {"messages": [{"role": "user", "content": "only a question"}]}])
+    path = write_columnar(
+        tmp_path / "bad.parquet", [{"messages": CHAT}, {"messages": [{"role": "user", "content": "only a question"}]}]
+    )
     with pytest.raises(DataError, match=rf"^{path}:2: conversation has no assistant turn"):
         list(iter_records(path))
     other = write_columnar(tmp_path / "other.parquet", [{"prompt": "x"}])
@@ -275,9 +300,16 @@ def test_real_sharegpt_package_file_recovers_17671_records():
 def test_prompt_records_need_no_reply(tmp_path):
     """Read as prompts, conversations without an assistant turn and `{"prompt": ...}` are records;
     as training data they stay bad."""
-    path = write_jsonl(tmp_path / "prompts.jsonl", [
-        {"messages": CHAT[:2]}, {"conversations": SHAREGPT[:2]}, {"prompt": "2+2?"}, {"prompt": " "},
-        {"messages": CHAT}])
+    path = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {"messages": CHAT[:2]},
+            {"conversations": SHAREGPT[:2]},
+            {"prompt": "2+2?"},
+            {"prompt": " "},
+            {"messages": CHAT},
+        ],
+    )
     stats = ReadStats()
     got = list(iter_records(path, prompts=True, skip_bad=True, stats=stats))
     assert [r.messages for r in got] == [CHAT[:2], CHAT[:2], [CHAT[1]], CHAT]

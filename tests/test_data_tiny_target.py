@@ -20,8 +20,11 @@ def test_qwen3_target_loads_through_auto_classes(tiny_target_dir):
     for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|pad|>", MASK_TOKEN):
         assert tok.convert_ids_to_tokens(tok.convert_tokens_to_ids(special)) == special
         assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1
-    text = tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
     ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
     assert model(ids).logits.shape == (1, ids.shape[1], 768)

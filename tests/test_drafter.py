@@ -19,9 +19,18 @@ H, LAYERS = 32, 2  # hidden size, target layers feeding the drafter
 
 def tiny_config(**kw) -> DFlashConfig:
     values = dict(
-        hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=50, num_target_layers=6, mask_token_id=49, target_layer_ids=[1, 3], num_hidden_layers=2,
-        block_size=4, rope_theta=10_000.0,
+        hidden_size=H,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        num_target_layers=6,
+        mask_token_id=49,
+        target_layer_ids=[1, 3],
+        num_hidden_layers=2,
+        block_size=4,
+        rope_theta=10_000.0,
     )
     values.update(kw)
     return DFlashConfig(**values)
@@ -49,7 +58,7 @@ def make_pack(seed, S=36, N=6, B=4):
     for d, n in enumerate([14, 9, 10]):
         sl = slice(start, start + n)
         doc[sl], pos[sl] = d, torch.arange(n)
-        mask[start + 2:start + n] = True
+        mask[start + 2 : start + n] = True
         anchors.append(sample_anchors(mask[sl], 1, g) + start)
         start += n
     blocks = build_blocks(ids, doc, pos, mask, torch.cat(anchors).sort().values, N, B, 49)
@@ -145,24 +154,40 @@ def test_cache_incremental_equals_full_forward(window):
     emb = torch.randn(1, 3 * B, H, generator=g)
     anchors = torch.tensor([cuts[1:]])
     block_positions = (anchors[0][:, None] + torch.arange(B)).flatten()[None]
-    one_doc = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, S, dtype=torch.long)
+    one_doc = (
+        torch.zeros(1, 3, dtype=torch.long),
+        torch.ones(1, 3, dtype=torch.bool),
+        torch.zeros(1, S, dtype=torch.long),
+    )
     dense = A.dense_mask(anchors, *one_doc, B, window)
     with torch.no_grad():
         full = model(ctx, emb, torch.arange(S)[None], block_positions, dense)
         cache = DrafterCache()
         for i in range(3):
             a, b = cuts[i], cuts[i + 1]
-            step = model.forward_step(ctx[:, a:b], torch.arange(a, b)[None], emb[:, i * B:(i + 1) * B],
-                                      block_positions[:, i * B:(i + 1) * B], cache)
-            torch.testing.assert_close(step, full[:, i * B:(i + 1) * B], rtol=1e-5, atol=1e-5)
+            step = model.forward_step(
+                ctx[:, a:b],
+                torch.arange(a, b)[None],
+                emb[:, i * B : (i + 1) * B],
+                block_positions[:, i * B : (i + 1) * B],
+                cache,
+            )
+            torch.testing.assert_close(step, full[:, i * B : (i + 1) * B], rtol=1e-5, atol=1e-5)
             assert cache.length == b and cache.keys[0].shape[2] == b
 
 
 REFERENCE_LAYER_KEYS = [
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
 ]
 
 
@@ -206,14 +231,31 @@ def test_config_json_has_the_reference_structure(tmp_path):
 def test_from_hf_dict_reads_a_released_style_config():
     # values of the reference repo's tests/fixtures/dflash2-config.json
     released = {
-        "attention_bias": False, "bos_token_id": 200000, "is_causal": False,
-        "dflash_config": {"block_size": 16, "final_logit_softcapping": 20.0, "mask_token_id": 201818,
-                          "output_multiplier": 0.19611613513818404, "target_layer_ids": [1, 13, 25, 37, 49]},
-        "head_dim": 128, "hidden_size": 6656, "intermediate_size": 19968,
-        "layer_types": ["sliding_attention"] * 5, "max_position_embeddings": 131072, "model_type": "qwen3",
-        "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 52,
-        "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
-        "sliding_window": 2048, "use_sliding_window": True, "vocab_size": 202048,
+        "attention_bias": False,
+        "bos_token_id": 200000,
+        "is_causal": False,
+        "dflash_config": {
+            "block_size": 16,
+            "final_logit_softcapping": 20.0,
+            "mask_token_id": 201818,
+            "output_multiplier": 0.19611613513818404,
+            "target_layer_ids": [1, 13, 25, 37, 49],
+        },
+        "head_dim": 128,
+        "hidden_size": 6656,
+        "intermediate_size": 19968,
+        "layer_types": ["sliding_attention"] * 5,
+        "max_position_embeddings": 131072,
+        "model_type": "qwen3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 5,
+        "num_key_value_heads": 8,
+        "num_target_layers": 52,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+        "sliding_window": 2048,
+        "use_sliding_window": True,
+        "vocab_size": 202048,
     }
     c = DFlashConfig.from_hf_dict(released)
     assert c.target_layer_ids == [1, 13, 25, 37, 49] and c.block_size == 16 and c.mask_token_id == 201818
@@ -225,15 +267,37 @@ def test_from_hf_dict_reads_a_released_style_config():
 
 
 def test_for_target_copies_the_target_shape():
-    qwen = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                       rope_parameters={"rope_type": "default", "rope_theta": 5e5}, max_position_embeddings=2048)
+    qwen = Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        max_position_embeddings=2048,
+    )
     c = DFlashConfig.for_target(qwen, [1, 2], mask_token_id=299, num_layers=3, block_size=8)
-    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (64, 96, 4, 2, 16)
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        64,
+        96,
+        4,
+        2,
+        16,
+    )
     assert (c.vocab_size, c.num_target_layers, c.rms_norm_eps, c.rope_theta) == (300, 4, 1e-5, 5e5)
     assert (c.num_hidden_layers, c.block_size, c.mask_token_id, c.max_position_embeddings) == (3, 8, 299, 2048)
-    llama = LlamaConfig(vocab_size=100, hidden_size=48, intermediate_size=80, num_hidden_layers=6,
-                        num_attention_heads=6, num_key_value_heads=3, rope_theta=1e5)
+    llama = LlamaConfig(
+        vocab_size=100,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        rope_theta=1e5,
+    )
     c = DFlashConfig.for_target(llama, [1, 3], mask_token_id=0)
     assert c.head_dim == 8 and c.rope_theta == 1e5 and c.num_hidden_layers == 5
     with pytest.raises(ValueError, match="outside the target"):
@@ -248,7 +312,9 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(8) == [1, 2, 3, 4, 5]
     assert default_target_layer_ids(7) == [1, 2, 3, 4, 5]
     assert default_target_layer_ids(4) == [1, 2]
-    assert default_target_layer_ids(3) == [1] and default_target_layer_ids(2) == [1] and default_target_layer_ids(1) == [0]
+    assert (
+        default_target_layer_ids(3) == [1] and default_target_layer_ids(2) == [1] and default_target_layer_ids(1) == [0]
+    )
     for L in range(1, 80):
         ids = default_target_layer_ids(L)
         assert ids == sorted(set(ids)) and all(0 <= i < L for i in ids) and 1 <= len(ids) <= 5
@@ -280,8 +346,10 @@ def test_target_head_bytes_do_not_depend_on_metadata_order(tmp_path):
     """safetensors writes metadata in HashMap order; the file (the store's weights fingerprint) must not."""
     embed = torch.randn(50, H)
     keys = [f"k{i}" for i in range(8)]
-    files = [TargetHead.save(tmp_path / str(n), embed_tokens=embed, metadata={k: "v" for k in order})
-             for n, order in enumerate((keys, keys[::-1]))]
+    files = [
+        TargetHead.save(tmp_path / str(n), embed_tokens=embed, metadata={k: "v" for k in order})
+        for n, order in enumerate((keys, keys[::-1]))
+    ]
     raw = files[0].read_bytes()
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     assert list(header["__metadata__"]) == sorted(header["__metadata__"])  # 1/10! by chance with HashMap order
@@ -322,8 +390,17 @@ def test_compiled_flex_drafter_forward_equals_dense():
     mask = doc >= 0
     anchors = sample_anchors(mask, 6, g, doc=doc)
     blocks = build_blocks(torch.randint(0, 48, (S,), generator=g), doc, pos, mask, anchors, N, B, 49)
-    batch = batch_of([{"ctx": torch.randn(S, LAYERS * H, generator=g), "doc": doc, "pos": pos,
-                       "emb": torch.randn(N * B, H, generator=g), **blocks}])
+    batch = batch_of(
+        [
+            {
+                "ctx": torch.randn(S, LAYERS * H, generator=g),
+                "doc": doc,
+                "pos": pos,
+                "emb": torch.randn(N * B, H, generator=g),
+                **blocks,
+            }
+        ]
+    )
     block_mask, dense = masks(batch, B)
     with torch.no_grad():
         out = run(model, batch, block_mask, "flex_compiled")

@@ -62,4 +62,4 @@ def test_replace_dir_durably_fsyncs_everything_before_the_rename(tmp_path, fsync
     before = set(fsynced[: renamed_after[0]])
     assert before == {tmp / "a.bin", tmp / "sub", tmp / "sub" / "b.bin", tmp}
     assert fsynced.index(tmp / "sub" / "b.bin") < fsynced.index(tmp / "sub") < fsynced.index(tmp)
-    assert fsynced[renamed_after[0]:] == [tmp_path]
+    assert fsynced[renamed_after[0] :] == [tmp_path]

@@ -30,13 +30,26 @@ def small_corpus(tmp_path: Path, n: int) -> Path:
 
 
 def extract(target: Path, data: Path, out: Path, **kw) -> None:
-    cfg = ExtractConfig(target=str(target), data=(str(data),), out=str(out), device="cpu",
-                        batch_tokens=kw.pop("batch_tokens", 512), max_length=kw.pop("max_length", 256), **kw)
+    cfg = ExtractConfig(
+        target=str(target),
+        data=(str(data),),
+        out=str(out),
+        device="cpu",
+        batch_tokens=kw.pop("batch_tokens", 512),
+        max_length=kw.pop("max_length", 256),
+        **kw,
+    )
     run_extraction(cfg)
 
 
-@pytest.mark.parametrize("fixture, compiled", [("tiny_target_dir", False), ("tiny_llama_dir", False),
-                                               pytest.param("tiny_target_dir", True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "fixture, compiled",
+    [
+        ("tiny_target_dir", False),
+        ("tiny_llama_dir", False),
+        pytest.param("tiny_target_dir", True, marks=pytest.mark.slow),
+    ],
+)
 def test_stored_states_equal_hf_hidden_states(fixture, compiled, request, tmp_path):
     target = request.getfixturevalue(fixture)
     data = small_corpus(tmp_path, 12)
@@ -156,9 +169,23 @@ def test_bad_record_fails_with_file_and_line_and_store_stays_incomplete(tiny_tar
         f.write("{not json\n")
     out = tmp_path / "store"
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(tiny_target_dir), "--data", str(data),
-         "--out", str(out), "--device", "cpu", "--max-length", "128"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.extract.cli",
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--max-length",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 1
     err = proc.stderr.strip().splitlines()[-1]
@@ -166,9 +193,24 @@ def test_bad_record_fails_with_file_and_line_and_store_stays_incomplete(tiny_tar
     assert not load_manifest(out).complete
 
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(tiny_target_dir), "--data", str(data),
-         "--out", str(tmp_path / "store2"), "--device", "cpu", "--max-length", "128", "--skip-bad"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.extract.cli",
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "store2"),
+            "--device",
+            "cpu",
+            "--max-length",
+            "128",
+            "--skip-bad",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr
     m = load_manifest(tmp_path / "store2")
@@ -181,13 +223,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflash_pipeline.extract.cli", *args], capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("content, flags, skipped", [
-    ("", [], None),
-    ("{not json\n[1]\n", ["--skip-bad"], "2 skipped by --skip-bad"),  # every record bad at reading
-    (None, ["--skip-bad", "--max-length", "2"], "5 skipped by --skip-bad: no_loss_tokens=5"),  # ... at tokenizing
-])
+@pytest.mark.parametrize(
+    "content, flags, skipped",
+    [
+        ("", [], None),
+        ("{not json\n[1]\n", ["--skip-bad"], "2 skipped by --skip-bad"),  # every record bad at reading
+        (None, ["--skip-bad", "--max-length", "2"], "5 skipped by --skip-bad: no_loss_tokens=5"),  # ... at tokenizing
+    ],
+)
 def test_input_without_usable_records_is_refused_in_one_line_and_leaves_no_store(
-        tiny_target_dir, tmp_path, content, flags, skipped):
+    tiny_target_dir, tmp_path, content, flags, skipped
+):
     data = small_corpus(tmp_path, 5)
     if content is not None:
         data.write_text(content)
@@ -215,8 +261,18 @@ def test_rerun_after_fixing_a_malformed_line_starts_over_and_equals_a_clean_run(
     lines = good.splitlines()
     data.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
     out = tmp_path / "store"
-    args = ("--target", str(tiny_target_dir), "--data", str(data), "--out", str(out), "--device", "cpu",
-            "--max-length", "128")
+    args = (
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--max-length",
+        "128",
+    )
     failed = run_cli(*args)
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
     assert f"{data}:3" in failed.stderr.strip().splitlines()[-1], failed.stderr
@@ -286,12 +342,29 @@ def test_other_data_content_is_refused_when_samples_are_committed(tiny_target_di
 
 def test_reading_tokenizing_and_loading_are_shown_before_the_first_batch(tiny_target_dir, tmp_path):
     out = tmp_path / "store"
-    proc = run_cli("--target", str(tiny_target_dir), "--data", str(small_corpus(tmp_path, 4)), "--out", str(out),
-                   "--device", "cpu", "--workers", "2", "--max-length", "64")
+    proc = run_cli(
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(small_corpus(tmp_path, 4)),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--workers",
+        "2",
+        "--max-length",
+        "64",
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.replace("\r", "\n").splitlines()
-    steps = ["starting 2 worker processes on cpu", "read rank 0: 4 records", "tokenize rank 0: 100%",
-             "extract rank 0: loading the target's layers", "extract rank 0:   0%"]
+    steps = [
+        "starting 2 worker processes on cpu",
+        "read rank 0: 4 records",
+        "tokenize rank 0: 100%",
+        "extract rank 0: loading the target's layers",
+        "extract rank 0:   0%",
+    ]
     first = [next((i for i, line in enumerate(lines) if step in line), None) for step in steps]
     assert None not in first and first == sorted(first), proc.stderr
     assert not any("rank 1" in line for line in lines)  # one rank speaks for all
@@ -307,8 +380,12 @@ def test_other_settings_are_refused_while_regenerated_replies_would_be_lost(tiny
     cfg = ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu")
     prepare_store(cfg, 1)
     StoreLayout(out).regenerated_dir.mkdir()
-    StoreLayout(out).regenerated_file(0).write_text('{"index": 0, "messages": []}\n')  # as a run killed while generating leaves it
-    with pytest.raises(ExtractError, match=f"{re.escape(str(out))}: holds a store made with other settings .*data.max_length"):
+    StoreLayout(out).regenerated_file(0).write_text(
+        '{"index": 0, "messages": []}\n'
+    )  # as a run killed while generating leaves it
+    with pytest.raises(
+        ExtractError, match=f"{re.escape(str(out))}: holds a store made with other settings .*data.max_length"
+    ):
         prepare_store(ExtractConfig(**{**cfg.to_dict(), "max_length": 64}), 1)
 
 

@@ -20,9 +20,31 @@ pytestmark = pytest.mark.slow
 
 def command(target: Path, data: Path, out: Path) -> list[str]:
     return [
-        sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(data), "--out", str(out),
-        "--device", "cpu", "--workers", "2", "--max-length", "96", "--batch-tokens", "96", "--max-batch-size", "2",
-        "--chunk-tokens", "16", "--shard-tokens", "64", "--layers", "0,1,3",
+        sys.executable,
+        "-m",
+        "dflash_pipeline.extract.cli",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--workers",
+        "2",
+        "--max-length",
+        "96",
+        "--batch-tokens",
+        "96",
+        "--max-batch-size",
+        "2",
+        "--chunk-tokens",
+        "16",
+        "--shard-tokens",
+        "64",
+        "--layers",
+        "0,1,3",
     ]
 
 
@@ -56,7 +78,10 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill_worker: b
         assert time.time() < deadline, "no progress"
         time.sleep(0.05)
     if kill_worker:
-        workers = [p for p in children_of(proc.pid) if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_text()]
+        # the rank processes only: not the resource tracker, nor a short-lived helper process of the
+        # parent (a library calling a shell tool), whose kill would leave the run to finish normally
+        workers = [p for p in children_of(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(workers) == 2, workers
         os.kill(workers[-1], signal.SIGKILL)
     else:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -75,7 +100,9 @@ def reference_store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("kill_worker,min_batches", [(False, 3), (True, 6)])
-def test_sigkill_then_rerun_is_identical(tiny_target_dir, small_corpus, reference_store, tmp_path, kill_worker, min_batches):
+def test_sigkill_then_rerun_is_identical(
+    tiny_target_dir, small_corpus, reference_store, tmp_path, kill_worker, min_batches
+):
     out = tmp_path / "store"
     cmd = command(tiny_target_dir, small_corpus, out)
     committed = run_until_killed(cmd, out, min_batches, kill_worker)

@@ -24,22 +24,34 @@ def workload(n: int, seed: int = 0) -> list[Request]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 41, (n,), generator=g).tolist()
     news = torch.randint(1, 31, (n,), generator=g).tolist()
-    return [Request(torch.randint(5, 700, (L,), generator=g).tolist(), m, key=request_key(seed, i))
-            for i, (L, m) in enumerate(zip(lengths, news))]
+    return [
+        Request(torch.randint(5, 700, (L,), generator=g).tolist(), m, key=request_key(seed, i))
+        for i, (L, m) in enumerate(zip(lengths, news))
+    ]
 
 
 def hf_greedy(model, request: Request, stops: list[int]) -> list[int]:
-    out = model.generate(torch.tensor([list(request.prompt)]), max_new_tokens=request.max_new_tokens, do_sample=False,
-                         eos_token_id=stops or None, pad_token_id=0, attention_mask=torch.ones(1, len(request.prompt)))
-    return out[0, len(request.prompt):].tolist()
+    out = model.generate(
+        torch.tensor([list(request.prompt)]),
+        max_new_tokens=request.max_new_tokens,
+        do_sample=False,
+        eos_token_id=stops or None,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(request.prompt)),
+    )
+    return out[0, len(request.prompt) :].tolist()
 
 
 GREEDY = SamplingParams()
 
 
 def engine(model, max_batch: int, sampling: SamplingParams = GREEDY, stops=(), page_size: int = 4):
-    return GenerationEngine(model, stop_ids=stops, sampling=sampling,
-                            settings=EngineSettings(max_batch=max_batch, max_request_tokens=80, page_size=page_size))
+    return GenerationEngine(
+        model,
+        stop_ids=stops,
+        sampling=sampling,
+        settings=EngineSettings(max_batch=max_batch, max_request_tokens=80, page_size=page_size),
+    )
 
 
 def test_greedy_replies_equal_hf_generate_one_prompt_at_a_time(model):
@@ -77,13 +89,19 @@ def test_uniforms_are_a_pure_function_of_key_and_step():
     assert len(torch.unique(u)) > 4000
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3),
-                                    SamplingParams(temperature=1.2, top_p=0.8)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.2, top_p=0.8),
+    ],
+)
 def test_sampler_draws_from_the_filtered_distribution(params):
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
     want = torch.softmax(logits / params.temperature, dim=0)
     if params.top_k:
-        want[torch.argsort(want, descending=True)[params.top_k:]] = 0
+        want[torch.argsort(want, descending=True)[params.top_k :]] = 0
     if params.top_p < 1:
         order = torch.argsort(want, descending=True)
         before = torch.cumsum(want[order], 0) - want[order]
@@ -107,5 +125,9 @@ def test_requests_beyond_the_capacity_are_refused(model):
     with pytest.raises(GenerationError, match="exceed"):
         eng.add("long", Request(list(range(5, 75)), max_new_tokens=20))
     with pytest.raises(GenerationError, match="KV cache"):
-        GenerationEngine(model, stop_ids=[], sampling=SamplingParams(),
-                         settings=EngineSettings(max_batch=2, max_request_tokens=80, page_size=4, num_pages=10))
+        GenerationEngine(
+            model,
+            stop_ids=[],
+            sampling=SamplingParams(),
+            settings=EngineSettings(max_batch=2, max_request_tokens=80, page_size=4, num_pages=10),
+        )

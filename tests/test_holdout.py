@@ -23,8 +23,16 @@ def dup_store(tiny_target_dir, tmp_path_factory) -> FeatureStore:
     data = tmp_path_factory.mktemp("dup_data") / "corpus.jsonl"
     data.write_text("".join(lines[k] + "\n" for k in SOURCE))
     out = tmp_path_factory.mktemp("dup_store") / "store"
-    run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu",
-                                 max_length=256, batch_tokens=2048))
+    run_extraction(
+        ExtractConfig(
+            target=str(tiny_target_dir),
+            data=(str(data),),
+            out=str(out),
+            device="cpu",
+            max_length=256,
+            batch_tokens=2048,
+        )
+    )
     return FeatureStore(out)
 
 
@@ -57,9 +65,12 @@ def test_grouped_split_keeps_every_prompt_on_one_side(dup_store: FeatureStore, s
 def test_ungrouped_split_leaks_duplicates_on_this_store(dup_store: FeatureStore) -> None:
     """Why groups are needed: the plain split puts a copy of a training prompt in held-out."""
     groups = prompt_groups(dup_store)
-    leaks = [seed for seed in range(20)
-             if set(groups[split_holdout(len(dup_store), 4, seed)[1]].tolist())
-             & set(groups[split_holdout(len(dup_store), 4, seed)[0]].tolist())]
+    leaks = [
+        seed
+        for seed in range(20)
+        if set(groups[split_holdout(len(dup_store), 4, seed)[1]].tolist())
+        & set(groups[split_holdout(len(dup_store), 4, seed)[0]].tolist())
+    ]
     assert leaks
 
 

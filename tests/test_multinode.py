@@ -21,11 +21,42 @@ from dflash_pipeline.shared.store.manifest import load_manifest
 from dflash_pipeline.shared.store.reader import stores_equal
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-EXTRACT_ARGS = ["--max-length", "96", "--batch-tokens", "96", "--max-batch-size", "2", "--chunk-tokens", "16",
-                "--shard-tokens", "64", "--layers", "0,1,3"]
-TRAIN_ARGS = ["--device", "cpu", "--num-layers", "1", "--block-size", "8", "--pack-tokens", "128", "--num-blocks", "16",
-              "--eval-samples", "2", "--loader-workers", "0", "--max-steps", "4", "--checkpoint-every", "2",
-              "--eval-every", "4"]
+EXTRACT_ARGS = [
+    "--max-length",
+    "96",
+    "--batch-tokens",
+    "96",
+    "--max-batch-size",
+    "2",
+    "--chunk-tokens",
+    "16",
+    "--shard-tokens",
+    "64",
+    "--layers",
+    "0,1,3",
+]
+TRAIN_ARGS = [
+    "--device",
+    "cpu",
+    "--num-layers",
+    "1",
+    "--block-size",
+    "8",
+    "--pack-tokens",
+    "128",
+    "--num-blocks",
+    "16",
+    "--eval-samples",
+    "2",
+    "--loader-workers",
+    "0",
+    "--max-steps",
+    "4",
+    "--checkpoint-every",
+    "2",
+    "--eval-every",
+    "4",
+]
 
 
 STARTED: list[subprocess.Popen] = []
@@ -42,7 +73,9 @@ def no_node_left_behind():
             node.wait()
 
 
-def start_nodes(module: str, logs: Path, args: list[str], cwds: tuple[Path, Path] | None = None) -> list[subprocess.Popen]:
+def start_nodes(
+    module: str, logs: Path, args: list[str], cwds: tuple[Path, Path] | None = None
+) -> list[subprocess.Popen]:
     """One torchrun agent per "node" (`signal_node` kills or freezes one whole);
     output goes to files under `logs` (a full pipe would block the node)."""
     port = free_port()
@@ -51,11 +84,31 @@ def start_nodes(module: str, logs: Path, args: list[str], cwds: tuple[Path, Path
     nodes = []
     for node in (0, 1):
         with open(logs / f"node{node}.log", "w") as log:
-            nodes.append(subprocess.Popen(
-                [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
-                 "127.0.0.1", "--master-port", str(port), "-m", module, *args],
-                cwd=cwds[node] if cwds else None, env=env, stdout=subprocess.DEVNULL, stderr=log,
-                start_new_session=True))
+            nodes.append(
+                subprocess.Popen(
+                    [
+                        TORCHRUN,
+                        "--nnodes",
+                        "2",
+                        "--nproc-per-node",
+                        "1",
+                        "--node-rank",
+                        str(node),
+                        "--master-addr",
+                        "127.0.0.1",
+                        "--master-port",
+                        str(port),
+                        "-m",
+                        module,
+                        *args,
+                    ],
+                    cwd=cwds[node] if cwds else None,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    start_new_session=True,
+                )
+            )
         nodes[-1].log = logs / f"node{node}.log"
     STARTED.extend(nodes)
     return nodes
@@ -111,26 +164,67 @@ def wait_for_batches(nodes: list[subprocess.Popen], out: Path, n: int) -> None:
 def spawned_store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
     """The store of the same extraction with two spawned CPU workers."""
     out = tmp_path_factory.mktemp("spawned") / "store"
-    subprocess.run([sys.executable, "-m", "dflash_pipeline.extract.cli", *extract_args(tiny_target_dir, small_corpus, out),
-                    "--device", "cpu", "--workers", "2"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.extract.cli",
+            *extract_args(tiny_target_dir, small_corpus, out),
+            "--device",
+            "cpu",
+            "--workers",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
 @pytest.mark.slow
 def test_two_nodes_extract_and_train_like_spawned_runs(tiny_target_dir, small_corpus, spawned_store, tmp_path):
     store = tmp_path / "store"
-    results = finish(start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs-extract", extract_args(tiny_target_dir, small_corpus, store)))
+    results = finish(
+        start_nodes(
+            "dflash_pipeline.extract.cli", tmp_path / "logs-extract", extract_args(tiny_target_dir, small_corpus, store)
+        )
+    )
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
     assert stores_equal(store, spawned_store)
 
     spawned = tmp_path / "spawned-run"
-    subprocess.run([sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(store), "--out", str(spawned),
-                    *TRAIN_ARGS, "--workers", "2"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.train.cli",
+            "--store",
+            str(store),
+            "--out",
+            str(spawned),
+            *TRAIN_ARGS,
+            "--workers",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+    )
     run = tmp_path / "run"
-    results = finish(start_nodes("dflash_pipeline.train.cli", tmp_path / "logs-train", ["--store", str(store), "--out", str(run), *TRAIN_ARGS]))
+    results = finish(
+        start_nodes(
+            "dflash_pipeline.train.cli",
+            tmp_path / "logs-train",
+            ["--store", str(store), "--out", str(run), *TRAIN_ARGS],
+        )
+    )
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
-    assert (run / "drafter" / "model.safetensors").read_bytes() == (spawned / "drafter" / "model.safetensors").read_bytes()
-    losses = [[json.loads(line).get("loss") for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, spawned)]
+    assert (run / "drafter" / "model.safetensors").read_bytes() == (
+        spawned / "drafter" / "model.safetensors"
+    ).read_bytes()
+    losses = [
+        [json.loads(line).get("loss") for line in (r / "metrics.jsonl").read_text().splitlines()]
+        for r in (run, spawned)
+    ]
     assert losses[0] == losses[1] and len(losses[0]) >= 4
 
 
@@ -151,8 +245,11 @@ def test_killed_node_then_rerun_is_identical(tiny_target_dir, small_corpus, spaw
 @pytest.mark.slow
 def test_frozen_node_is_named_within_the_timeout(tiny_target_dir, tmp_path):
     store = tmp_path / "store"  # the whole sample small_corpus: node 1 is frozen long before its share is done
-    nodes = start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs",
-                        extract_args(tiny_target_dir, sample_corpus_path(), store, "--collective-timeout", "4"))
+    nodes = start_nodes(
+        "dflash_pipeline.extract.cli",
+        tmp_path / "logs",
+        extract_args(tiny_target_dir, sample_corpus_path(), store, "--collective-timeout", "4"),
+    )
     deadline = time.time() + 120
     while not (store / "manifest.json").exists():  # rank 0 has prepared the store; rank 1 is about to start
         assert nodes[0].poll() is None and time.time() < deadline
@@ -176,14 +273,23 @@ def test_output_folder_not_shared_is_refused_at_start(stage, tiny_target_dir, sm
     for cwd in cwds:
         cwd.mkdir()
     if stage == "extract":
-        nodes = start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs", extract_args(tiny_target_dir, small_corpus, "out"), cwds)
+        nodes = start_nodes(
+            "dflash_pipeline.extract.cli", tmp_path / "logs", extract_args(tiny_target_dir, small_corpus, "out"), cwds
+        )
     else:
-        nodes = start_nodes("dflash_pipeline.train.cli", tmp_path / "logs", ["--store", str(spawned_store), "--out", "out", *TRAIN_ARGS], cwds)
+        nodes = start_nodes(
+            "dflash_pipeline.train.cli",
+            tmp_path / "logs",
+            ["--store", str(spawned_store), "--out", "out", *TRAIN_ARGS],
+            cwds,
+        )
     results = finish(nodes, timeout=120)
     assert [rc for rc, _ in results] == [1, 1]
     for _, err in results:
-        assert f"dflash-{stage}: error: --out out: rank 1 cannot see the files rank 0 writes there; " \
-               "--out must be one folder shared by every node" in err, err[-3000:]
+        assert (
+            f"dflash-{stage}: error: --out out: rank 1 cannot see the files rank 0 writes there; "
+            "--out must be one folder shared by every node" in err
+        ), err[-3000:]
     assert list((cwds[0] / "out").iterdir()) == [] and not (cwds[1] / "out").exists()
 
 
@@ -196,8 +302,10 @@ def test_torchrun_refuses_process_options(stage, option, monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = ["--target", "t", "--data", "d"] if stage == "extract" else ["--store", str(tmp_path / "s")]
-    result = CliRunner().invoke(extract_main if stage == "extract" else train_main,
-                                [*args, "--out", str(tmp_path / "out"), "--device", "cpu", *option])
+    result = CliRunner().invoke(
+        extract_main if stage == "extract" else train_main,
+        [*args, "--out", str(tmp_path / "out"), "--device", "cpu", *option],
+    )
     assert result.exit_code == 1, result.output
     assert f"{option[0]} cannot be used under torchrun: torchrun owns the processes" in result.output
     assert not (tmp_path / "out").exists()
@@ -212,11 +320,19 @@ def test_torchrun_extraction_follows_the_device_rule(tiny_target_dir, small_corp
 
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(key, value)
-    summary = run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(small_corpus),), out=str(tmp_path / "store"),
-                                           max_length=64, limit=4))
+    summary = run_extraction(
+        ExtractConfig(
+            target=str(tiny_target_dir), data=(str(small_corpus),), out=str(tmp_path / "store"), max_length=64, limit=4
+        )
+    )
     assert summary.samples == 4 and load_manifest(tmp_path / "store").complete
 
 
@@ -255,10 +371,13 @@ def test_a_rank_that_stopped_with_an_error_ends_the_meeting_at_once():
 
     from dflash_pipeline.shared.runtime.launch import spawn_ranks
 
-    for world, fail_rank, want in [(3, 2, ["rank 2 stopped with an error (see its output); hint"] * 2 + ["failed"]),
-                                   (2, -1, ["met", "met"])]:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=30))
+    for world, fail_rank, want in [
+        (3, 2, ["rank 2 stopped with an error (see its output); hint"] * 2 + ["failed"]),
+        (2, -1, ["met", "met"]),
+    ]:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
         started = time.monotonic()
         assert spawn_ranks(meet_after, world, (world, store.port, fail_rank)) == want
         assert time.monotonic() - started < 25

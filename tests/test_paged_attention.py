@@ -21,8 +21,18 @@ import torch
 from dflash_pipeline.shared.generation.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
 
-def make_case(b: int, heads: int, kv_heads: int, head_dim: int, page: int, max_pages: int, dtype: torch.dtype,
-              seed: int, spare_pages: int = 7, poison: bool = True):
+def make_case(
+    b: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page: int,
+    max_pages: int,
+    dtype: torch.dtype,
+    seed: int,
+    spare_pages: int = 7,
+    poison: bool = True,
+):
     """Random q and a page pool whose rows own disjoint, scattered pages. Lengths cover 1, exact page
     multiples and full capacity. With `poison`, every pool slot that no row reads (past a row's
     length, unowned pages) is NaN, and table entries past a row's last page point at a poisoned page."""
@@ -46,7 +56,7 @@ def make_case(b: int, heads: int, kv_heads: int, head_dim: int, page: int, max_p
         v[~used] = float("nan")
         free = int((~used.any(1)).nonzero()[0])  # an unowned (all-NaN) page
         for r in range(b):
-            table[r, -(-int(lengths[r]) // page):] = free
+            table[r, -(-int(lengths[r]) // page) :] = free
     return q, k, v, table, lengths
 
 
@@ -252,8 +262,9 @@ def test_triton_kernel_under_interpreter():
     here = Path(__file__).resolve().parent
     code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_paged_attention as t; t._interpreter_cases()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=here.parent, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=here.parent, capture_output=True, text=True, timeout=900
+    )
     if proc.returncode == 0 and INTERPRETER_UNAVAILABLE in proc.stdout:
         pytest.skip(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"

@@ -20,7 +20,9 @@ from dflash_pipeline.shared.model.config import DFlashConfig, default_target_lay
 from dflash_pipeline.shared.model.drafter import DFlashDrafter, DrafterCache
 from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target
 
-ref = pytest.importorskip("dflash.model", reason="the DFlash reference package (`dflash`, in the test extra) is not installed")
+ref = pytest.importorskip(
+    "dflash.model", reason="the DFlash reference package (`dflash`, in the test extra) is not installed"
+)
 
 B = 8
 SAME = dict(rtol=0, atol=1e-6)  # same ops in the same order: a few ulp of O(1) values at most
@@ -37,8 +39,13 @@ def made(target, tmp_path_factory) -> tuple[DFlashDrafter, Path]:
     """A 2-layer drafter for the tiny target and the folder it saved itself to, as training does
     (weights drawn wider than the 0.02 init so that every weight visibly moves the output)."""
     n_layers = target.config.num_hidden_layers
-    cfg = DFlashConfig.for_target(target.config, default_target_layer_ids(n_layers), num_layers=2, block_size=B,
-                                  mask_token_id=target.config.vocab_size - 1)
+    cfg = DFlashConfig.for_target(
+        target.config,
+        default_target_layer_ids(n_layers),
+        num_layers=2,
+        block_size=B,
+        mask_token_id=target.config.vocab_size - 1,
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, attention_backend="sdpa_dense")
     drafter.reset_parameters(std=0.2)
@@ -58,8 +65,11 @@ def reference(made):
 
 
 def prompt_ids(tokenizer, text: str) -> torch.Tensor:
-    return torch.tensor(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                      tokenize=True, return_dict=True)["input_ids"])
+    return torch.tensor(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
 
 
 def context_features(target, ours, reference, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,10 +124,16 @@ def test_reference_computes_our_block_hidden_states_fresh_and_cached(target, our
         emb = block_embeds(target, ours, int(ids[c]))
         ctx_pos, block_pos = torch.arange(c)[None], torch.arange(c, c + B)[None]
         with torch.no_grad():
-            fresh = model(target_hidden=theirs[:, :c], noise_embedding=emb,
-                          position_ids=torch.cat([ctx_pos, block_pos], dim=1))
-            cached = model(target_hidden=theirs[:, fed:c], noise_embedding=emb, past_key_values=their_cache,
-                           position_ids=torch.cat([ctx_pos[:, fed:], block_pos], dim=1), use_cache=True)
+            fresh = model(
+                target_hidden=theirs[:, :c], noise_embedding=emb, position_ids=torch.cat([ctx_pos, block_pos], dim=1)
+            )
+            cached = model(
+                target_hidden=theirs[:, fed:c],
+                noise_embedding=emb,
+                past_key_values=their_cache,
+                position_ids=torch.cat([ctx_pos[:, fed:], block_pos], dim=1),
+                use_cache=True,
+            )
             ref._crop_to(their_cache, c)
             train = ours(mine[:, :c], emb, ctx_pos, block_pos, dense_mask_all(c))
             step = ours.forward_step(mine[:, fed:c], ctx_pos[:, fed:], emb, block_pos, my_cache)
@@ -127,8 +143,9 @@ def test_reference_computes_our_block_hidden_states_fresh_and_cached(target, our
         fed = c
 
 
-def test_reference_dflash_generate_drafts_and_outputs_what_ours_does(target, ours, reference, tiny_tokenizer,
-                                                                     monkeypatch):
+def test_reference_dflash_generate_drafts_and_outputs_what_ours_does(
+    target, ours, reference, tiny_tokenizer, monkeypatch
+):
     """Greedy, same prompts: the same output tokens and acceptance lengths, and step by step the same
     draft logits. (An untrained drafter is almost never accepted: the next test covers acceptance.)"""
     model, _ = reference
@@ -140,6 +157,7 @@ def test_reference_dflash_generate_drafts_and_outputs_what_ours_does(target, our
         def spy(hidden, head):
             drafts[side].append(compute_logits(hidden, head))
             return drafts[side][-1]
+
         return spy
 
     monkeypatch.setattr(ours, "compute_logits", recorded("ours", ours.compute_logits))
@@ -150,7 +168,7 @@ def test_reference_dflash_generate_drafts_and_outputs_what_ours_does(target, our
             ids = prompt_ids(tiny_tokenizer, text)
             mine = dflash_generate(target, ours, capture, ids, n_new, stop)
             theirs = ref.dflash_generate(model, target, ids[None], n_new, sorted(stop), return_stats=True)
-            assert mine.tokens == theirs.output_ids[0, len(ids):].tolist()
+            assert mine.tokens == theirs.output_ids[0, len(ids) :].tolist()
             assert mine.accepted == theirs.acceptance_lengths
     finally:
         capture.close()
@@ -160,7 +178,8 @@ def test_reference_dflash_generate_drafts_and_outputs_what_ours_does(target, our
 
 
 def test_reference_and_our_loops_accept_the_same_drafts_up_to_limits_and_stop_tokens(
-        target, ours, reference, tiny_tokenizer, monkeypatch):
+    target, ours, reference, tiny_tokenizer, monkeypatch
+):
     """Both loops draft the target's own greedy continuation with one token made wrong at a chosen
     place each step (none in some steps), so acceptance lengths 1..B all happen; a token limit and a
     stop token fall inside blocks. Both give the target's greedy tokens and the same acceptance lengths."""
@@ -173,6 +192,7 @@ def test_reference_and_our_loops_accept_the_same_drafts_up_to_limits_and_stop_to
         def spy(*args, **kwargs):
             state[side]["seen"] = block_start(args, kwargs)
             return forward(*args, **kwargs)
+
         return spy
 
     def oracle(side: str):
@@ -184,12 +204,23 @@ def test_reference_and_our_loops_accept_the_same_drafts_up_to_limits_and_stop_to
             if wrong_at[step] < len(want):
                 want[wrong_at[step]] = (want[wrong_at[step]] + 1) % vocab
             return torch.nn.functional.one_hot(want, vocab).float()[None]
+
         return logits
 
-    monkeypatch.setattr(ours, "forward_step", track(
-        "ours", ours.forward_step, lambda a, k: int((k["block_positions"] if "block_positions" in k else a[3])[0, 0])))
-    monkeypatch.setattr(model, "forward", track(
-        "ref", model.forward, lambda a, k: int(k["position_ids"][0, -k["noise_embedding"].shape[1]])))
+    monkeypatch.setattr(
+        ours,
+        "forward_step",
+        track(
+            "ours",
+            ours.forward_step,
+            lambda a, k: int((k["block_positions"] if "block_positions" in k else a[3])[0, 0]),
+        ),
+    )
+    monkeypatch.setattr(
+        model,
+        "forward",
+        track("ref", model.forward, lambda a, k: int(k["position_ids"][0, -k["noise_embedding"].shape[1]])),
+    )
     monkeypatch.setattr(ours, "compute_logits", oracle("ours"))
     monkeypatch.setattr(model, "compute_logits", oracle("ref"))
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
@@ -197,9 +228,15 @@ def test_reference_and_our_loops_accept_the_same_drafts_up_to_limits_and_stop_to
     seen_lengths = set()
     try:
         # limit inside the last block; stop tokens met inside a block (checked by hand: steps cut to 5 of 7, 4 of 8)
-        for text, n_new, stop_after in [("What is a list?", 37, None), ("Name three colours.", 60, 20), ("Say hi.", 29, 9)]:
+        for text, n_new, stop_after in [
+            ("What is a list?", 37, None),
+            ("Name three colours.", 60, 20),
+            ("Say hi.", 29, 9),
+        ]:
             ids = prompt_ids(tiny_tokenizer, text)
-            greedy = ref.dflash_generate(model, target, ids[None], n_new + B, None, block_size=1)[0, len(ids):].tolist()
+            greedy = ref.dflash_generate(model, target, ids[None], n_new + B, None, block_size=1)[
+                0, len(ids) :
+            ].tolist()
             stop: set[int] = set()
             at = n_new
             if stop_after is not None:  # the first token, from index stop_after on, not generated before
@@ -209,7 +246,7 @@ def test_reference_and_our_loops_accept_the_same_drafts_up_to_limits_and_stop_to
             mine = dflash_generate(target, ours, capture, ids, n_new, stop)
             theirs = ref.dflash_generate(model, target, ids[None], n_new, sorted(stop), return_stats=True)
             expected = greedy[: min(n_new, at + 1)]
-            assert theirs.output_ids[0, len(ids):].tolist() == expected
+            assert theirs.output_ids[0, len(ids) :].tolist() == expected
             assert mine.tokens == expected
             assert mine.accepted == theirs.acceptance_lengths, text
             seen_lengths.update(mine.accepted)

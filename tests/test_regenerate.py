@@ -30,11 +30,17 @@ from dflash_pipeline.shared.store.reader import FeatureStore, stores_equal
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is a mole?"}, {"role": "assistant", "content": "An animal."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour"},
-     {"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another one?"},
-     {"role": "assistant", "content": "Blue."}],
-    [{"role": "user", "content": "Count to three, please, and explain why numbers exist at all."},
-     {"role": "assistant", "content": "1 2 3"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour"},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Blue."},
+    ],
+    [
+        {"role": "user", "content": "Count to three, please, and explain why numbers exist at all."},
+        {"role": "assistant", "content": "1 2 3"},
+    ],
 ]
 
 
@@ -59,8 +65,15 @@ def regenerate(target, tokenizer, tmp_path, settings, loads=None, name="cache.js
             loads.append(1)
         return target
 
-    out, stats, _ = regenerate_records(records(), load, tokenizer, settings, max_length=512, cache=tmp_path / name,
-                                       engine=EngineSettings(max_batch=max_batch, page_size=8))
+    out, stats, _ = regenerate_records(
+        records(),
+        load,
+        tokenizer,
+        settings,
+        max_length=512,
+        cache=tmp_path / name,
+        engine=EngineSettings(max_batch=max_batch, page_size=8),
+    )
     return out, stats
 
 
@@ -120,8 +133,9 @@ def test_samples_per_prompt_gives_n_samples_that_stay_in_one_holdout_group(targe
     assert len({tuple(replies[i]) for i in (0, 1, 2)}) > 1  # other draws, not copies
     assert all(out[3 * c + s][1].messages[0] == CONVERSATIONS[c][0] for c in range(3) for s in range(3))
     # the first sample of each conversation is the same whatever N: its key holds sample 0
-    single, _ = regenerate(target, tiny_tokenizer, tmp_path, RegenerateSettings(max_new_tokens=10, temperature=1.5),
-                           name="single.jsonl")
+    single, _ = regenerate(
+        target, tiny_tokenizer, tmp_path, RegenerateSettings(max_new_tokens=10, temperature=1.5), name="single.jsonl"
+    )
     assert [replies[3 * c] for c in range(3)] == [replies_of(single)[c] for c in range(3)]
 
 
@@ -129,8 +143,15 @@ def test_prompt_longer_than_max_length_cuts_the_conversation(target, tiny_tokeni
     settings = RegenerateSettings(max_new_tokens=4)
     prompt_two = tiny_tokenizer.apply_chat_template(CONVERSATIONS[1][:3], add_generation_prompt=True, tokenize=True)
     n = len(prompt_two["input_ids"] if hasattr(prompt_two, "keys") else prompt_two)
-    out, stats, _ = regenerate_records(records()[1:2], lambda: target, tiny_tokenizer, settings,
-                                       max_length=n + 8, cache=tmp_path / "c.jsonl", engine=EngineSettings(max_batch=2))
+    out, stats, _ = regenerate_records(
+        records()[1:2],
+        lambda: target,
+        tiny_tokenizer,
+        settings,
+        max_length=n + 8,
+        cache=tmp_path / "c.jsonl",
+        engine=EngineSettings(max_batch=2),
+    )
     roles = [m["role"] for m in out[0][1].messages]
     assert roles == ["system", "user", "assistant"] and stats.cut == 1 and stats.replies == 1
 
@@ -140,8 +161,17 @@ def test_extract_with_regenerate_stores_prompt_plus_generated_reply(tiny_target_
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 3))
     settings = RegenerateSettings(max_new_tokens=10).to_dict()
     out = tmp_path / "store"
-    cfg = ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu",
-                        workers=2, batch_tokens=512, max_length=256, regenerate=settings, store_dtype="float32")
+    cfg = ExtractConfig(
+        target=str(tiny_target_dir),
+        data=(str(data),),
+        out=str(out),
+        device="cpu",
+        workers=2,
+        batch_tokens=512,
+        max_length=256,
+        regenerate=settings,
+        store_dtype="float32",
+    )
     summary = run_extraction(cfg)
     manifest = load_manifest(out)
     assert manifest.settings["regenerate"] == settings and settings["method"] == "greedy"
@@ -169,10 +199,36 @@ def test_extract_with_regenerate_stores_prompt_plus_generated_reply(tiny_target_
 
 
 def regenerate_command(target: Path, data: Path, out: Path, workers: int, gen_batch: int) -> list[str]:
-    return [sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(data), "--out", str(out),
-            "--device", "cpu", "--workers", str(workers), "--max-length", "160", "--store-dtype", "float32",
-            "--regenerate", "--temperature", "1.0", "--top-p", "0.95", "--seed", "5", "--max-new-tokens", "24",
-            "--gen-batch-size", str(gen_batch)]
+    return [
+        sys.executable,
+        "-m",
+        "dflash_pipeline.extract.cli",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--workers",
+        str(workers),
+        "--max-length",
+        "160",
+        "--store-dtype",
+        "float32",
+        "--regenerate",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "5",
+        "--max-new-tokens",
+        "24",
+        "--gen-batch-size",
+        str(gen_batch),
+    ]
 
 
 def regenerated_entries(out: Path) -> dict[int, dict]:
@@ -210,18 +266,46 @@ def test_sampled_replies_survive_other_worker_counts_and_kill_9(tiny_target_dir,
     assert stores_equal(killed, two)
 
 
-def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_is_written(tiny_tokenizer, sample_corpus,
-                                                                                      tmp_path):
+def test_an_architecture_the_engine_cannot_run_is_refused_before_anything_is_written(
+    tiny_tokenizer, sample_corpus, tmp_path
+):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     target = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(tiny_tokenizer),
-                               bos_token_id=None, eos_token_id=tiny_tokenizer.eos_token_id)).save_pretrained(target)
+    GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=len(tiny_tokenizer),
+            bos_token_id=None,
+            eos_token_id=tiny_tokenizer.eos_token_id,
+        )
+    ).save_pretrained(target)
     tiny_tokenizer.save_pretrained(target)
     out = tmp_path / "store"
-    run = subprocess.run([sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(sample_corpus),
-                          "--out", str(out), "--device", "cpu", "--limit", "4", "--layers", "0,1", "--regenerate"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_pipeline.extract.cli",
+            "--target",
+            str(target),
+            "--data",
+            str(sample_corpus),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--limit",
+            "4",
+            "--layers",
+            "0,1",
+            "--regenerate",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "dflash-extract: error: model_type 'gpt2': the generation engine runs llama" in run.stderr
     assert "vLLM or SGLang" in run.stderr and not out.exists()

@@ -21,7 +21,9 @@ def make_array(path, spec: str, crc: bool, shape=(ROWS, WIDTH)) -> zarr.Array:
     codecs = parse_compression(spec) + ([zarr.codecs.Crc32cCodec()] if crc else [])
     chunks, shards = (CHUNK,) + shape[1:], (SHARD,) + shape[1:]
     group = zarr.open_group(path, mode="w")
-    array = group.create_array("a", shape=shape, dtype="uint16", chunks=chunks, shards=shards, compressors=codecs, fill_value=0)
+    array = group.create_array(
+        "a", shape=shape, dtype="uint16", chunks=chunks, shards=shards, compressors=codecs, fill_value=0
+    )
     return array.with_config({"write_empty_chunks": True})
 
 

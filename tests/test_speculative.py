@@ -30,16 +30,23 @@ def target(tiny_target_dir):
 
 
 def random_drafter(target, seed: int = 0) -> DFlashDrafter:
-    cfg = DFlashConfig.for_target(target.config.to_dict(), [1, 2], mask_token_id=target.config.vocab_size - 1,
-                                  num_layers=1, block_size=B)
+    cfg = DFlashConfig.for_target(
+        target.config.to_dict(), [1, 2], mask_token_id=target.config.vocab_size - 1, num_layers=1, block_size=B
+    )
     torch.manual_seed(seed)
     return DFlashDrafter(cfg, attention_backend="sdpa_dense").eval()
 
 
 def prompts(tokenizer, n: int) -> list[torch.Tensor]:
     texts = ["What is a list?", "Name three colours.", "How do birds fly?", "Say hi."][:n]
-    return [torch.tensor(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                       tokenize=True, return_dict=True)["input_ids"]) for t in texts]
+    return [
+        torch.tensor(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for t in texts
+    ]
 
 
 def test_untrained_drafter_output_equals_target_greedy(target, tiny_tokenizer):
@@ -55,8 +62,9 @@ def test_untrained_drafter_output_equals_target_greedy(target, tiny_tokenizer):
         capture.close()
 
 
-def oracle_run(target, prompt, ref: list[int], wrong_at: list[int], max_new: int, stop: set[int],
-               monkeypatch) -> tuple[Generation, list[int]]:
+def oracle_run(
+    target, prompt, ref: list[int], wrong_at: list[int], max_new: int, stop: set[int], monkeypatch
+) -> tuple[Generation, list[int]]:
     """dflash_generate with a drafter that proposes the target's greedy continuation `ref`, its draft
     `wrong_at[step]` corrupted (>= B-1: none); also returns the block size of every step. Checks that
     every token before a block was handed to the drafter exactly once, with its true features."""
@@ -189,10 +197,22 @@ def online_and_training_logits(target, drafter, prompt: torch.Tensor, backend: s
     anchors = len(prompt) + torch.tensor([0] + gen.accepted[:-1]).cumsum(0)  # each block's first token
     assert len(online) == len(anchors) > 5
     S, dev = len(sequence), prompt.device
-    blocks = build_blocks(sequence.cpu(), torch.zeros(S, dtype=torch.long), torch.arange(S), torch.ones(S, dtype=torch.bool),
-                          anchors, len(anchors), B, drafter.config.mask_token_id)
-    batch = {"context_hidden": features, "context_doc": torch.zeros(S, dtype=torch.long, device=dev),
-             "context_positions": torch.arange(S, device=dev), **{k: v.to(dev) for k, v in blocks.items()}}
+    blocks = build_blocks(
+        sequence.cpu(),
+        torch.zeros(S, dtype=torch.long),
+        torch.arange(S),
+        torch.ones(S, dtype=torch.bool),
+        anchors,
+        len(anchors),
+        B,
+        drafter.config.mask_token_id,
+    )
+    batch = {
+        "context_hidden": features,
+        "context_doc": torch.zeros(S, dtype=torch.long, device=dev),
+        "context_positions": torch.arange(S, device=dev),
+        **{k: v.to(dev) for k, v in blocks.items()},
+    }
     batch = {k: v[None] for k, v in batch.items()}
     head = TargetHead(target.get_input_embeddings().weight, lm_head)
     drafter.attention_backend = backend
@@ -209,8 +229,14 @@ def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny
     """Train/inference consistency: every block the decoder drafts online has the logits the training
     path gives for the same anchor of the final sequence. Positions, context visibility or feature
     hand-off that differ between the two would change them."""
-    online, offline = online_and_training_logits(target, random_drafter(target, seed=3), prompts(tiny_tokenizer, 1)[0],
-                                                 "sdpa_dense", torch.autocast("cpu", enabled=False), monkeypatch)
+    online, offline = online_and_training_logits(
+        target,
+        random_drafter(target, seed=3),
+        prompts(tiny_tokenizer, 1)[0],
+        "sdpa_dense",
+        torch.autocast("cpu", enabled=False),
+        monkeypatch,
+    )
     for k, logits in enumerate(online):
         torch.testing.assert_close(logits, offline[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"block {k}: {m}")
 
@@ -218,7 +244,9 @@ def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("train_dtype", ["float32", "bfloat16"])
-def test_online_drafts_match_the_compiled_training_path_on_cuda(tiny_target_dir, tiny_tokenizer, train_dtype, monkeypatch):
+def test_online_drafts_match_the_compiled_training_path_on_cuda(
+    tiny_target_dir, tiny_tokenizer, train_dtype, monkeypatch
+):
     """The same check on the GPU, the training side as the trainer runs it there (compiled flex,
     bf16 autocast in the second case; online decoding in float32 as dflash-eval's default): equal
     logits in float32, and in bf16 the same draft tokens wherever the float32 top-2 margin exceeds
@@ -227,8 +255,9 @@ def test_online_drafts_match_the_compiled_training_path_on_cuda(tiny_target_dir,
     target = load_full_target(tiny_target_dir, device=cuda, dtype=torch.float32)
     drafter = random_drafter(target, seed=3).to(cuda)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=train_dtype == "bfloat16")
-    online, offline = online_and_training_logits(target, drafter, prompts(tiny_tokenizer, 1)[0].to(cuda),
-                                                 "flex_compiled", autocast, monkeypatch)
+    online, offline = online_and_training_logits(
+        target, drafter, prompts(tiny_tokenizer, 1)[0].to(cuda), "flex_compiled", autocast, monkeypatch
+    )
     online = torch.stack(online)
     if train_dtype == "float32":
         torch.testing.assert_close(online, offline, rtol=1e-3, atol=1e-3)
@@ -256,12 +285,14 @@ def exact_joint(target, prompt: torch.Tensor, sampling: SamplingParams, k: int) 
     for _ in range(k):
         heads = list(joint)
         with torch.inference_mode():
-            logits = target(input_ids=torch.stack([torch.cat([prompt, torch.tensor(h, dtype=torch.long)])
-                                                   for h in heads])).logits[:, -1]
+            logits = target(
+                input_ids=torch.stack([torch.cat([prompt, torch.tensor(h, dtype=torch.long)]) for h in heads])
+            ).logits[:, -1]
         probs = filtered_probs(logits, sampling)
         marginals.append(sum(joint[h] * row for h, row in zip(heads, probs)))
-        joint = {h + (t,): joint[h] * float(row[t])
-                 for h, row in zip(heads, probs) for t in row.nonzero()[:, 0].tolist()}
+        joint = {
+            h + (t,): joint[h] * float(row[t]) for h, row in zip(heads, probs) for t in row.nonzero()[:, 0].tolist()
+        }
     return joint, marginals
 
 
@@ -292,12 +323,14 @@ def test_speculative_sampling_keeps_the_target_distribution(target, tiny_tokeniz
 
     def marginal_logits(hidden, _weight):  # logits whose filtered distribution is the marginal
         at = drafted_at["first"]
-        return torch.stack([sampling.temperature * marginals[at + j].clamp_min(1e-30).log()
-                            for j in range(hidden.shape[1])])[None]
+        return torch.stack(
+            [sampling.temperature * marginals[at + j].clamp_min(1e-30).log() for j in range(hidden.shape[1])]
+        )[None]
 
     monkeypatch.setattr(drafter, "forward_step", spy_step)
     monkeypatch.setattr(drafter, "compute_logits", marginal_logits)
     capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
+
     def seeded(s: int) -> torch.Generator:
         return torch.Generator().manual_seed(s)
 
@@ -333,11 +366,28 @@ def run_eval(target, tiny_target_dir, prompts_path, tmp_path, *extra: str) -> tu
 
     random_drafter(target).save_pretrained(tmp_path / "drafter")
     report_path = tmp_path / "eval.json"
-    result = CliRunner().invoke(main, [
-        "--target", str(tiny_target_dir), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_path),
-        "--limit", "3", "--max-new-tokens", "24", "--device", "cpu", "--dtype", "float32", "--json", str(report_path),
-        *extra,
-    ])
+    result = CliRunner().invoke(
+        main,
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--drafter",
+            str(tmp_path / "drafter"),
+            "--prompts",
+            str(prompts_path),
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "24",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--json",
+            str(report_path),
+            *extra,
+        ],
+    )
     assert result.exit_code == 0, result.output
     return json.loads(report_path.read_text()), result.output
 
@@ -354,7 +404,7 @@ def test_dflash_eval_cli_writes_a_lossless_json_report(target, tiny_target_dir, 
     assert report["tau"] == pytest.approx(sum(sum(r["accepted"]) / len(r["accepted"]) for r in rows) / 3)
     steps = [a for r in rows for a in r["accepted"]]
     assert report["tau_pooled"] == pytest.approx(sum(steps) / len(steps))
-    assert json.loads(output[output.index("{"):])["tau"] == pytest.approx(report["tau"])
+    assert json.loads(output[output.index("{") :])["tau"] == pytest.approx(report["tau"])
 
 
 def test_tau_is_the_mean_of_per_prompt_means_like_the_reference():
@@ -369,18 +419,35 @@ def test_dflash_eval_reads_prompt_only_records(target, tiny_target_dir, tiny_tok
 
     question = [{"role": "user", "content": "Name three colours."}]
     path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"messages": question}, {"conversations": [{"from": "human", "value": "Name three colours."}]},
-        {"prompt": "Name three colours."}, {"messages": [*question, {"role": "assistant", "content": "Red."}]},
-        {"messages": [*question, {"role": "assistant", "content": "Red."}, {"role": "user", "content": "More?"}]},
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"messages": question},
+                {"conversations": [{"from": "human", "value": "Name three colours."}]},
+                {"prompt": "Name three colours."},
+                {"messages": [*question, {"role": "assistant", "content": "Red."}]},
+                {
+                    "messages": [
+                        *question,
+                        {"role": "assistant", "content": "Red."},
+                        {"role": "user", "content": "More?"},
+                    ]
+                },
+            ]
+        )
+        + "\n"
+    )
+
     def ids(messages):
-        return tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"]
+        return tiny_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
 
     # without replies the whole record, with them up to the first reply, unless a user turn ends it
-    assert prompts_from(str(path), tiny_tokenizer, 10, 1024) == [ids(question)] * 4 + [ids(json.loads(
-        path.read_text().splitlines()[4])["messages"])]
+    assert prompts_from(str(path), tiny_tokenizer, 10, 1024) == [ids(question)] * 4 + [
+        ids(json.loads(path.read_text().splitlines()[4])["messages"])
+    ]
     report, _ = run_eval(target, tiny_target_dir, path, tmp_path)
     assert report["num_prompts"] == 3 and report["all_lossless"] is True
 

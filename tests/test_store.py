@@ -57,8 +57,9 @@ def make_batch(seed: int, b: int, dtype: str = "bfloat16") -> list[tuple]:
     return batch
 
 
-def write_store(root: Path, seed: int, n_batches: int, *, dtype: str = "bfloat16", compression: str = "zstd:1",
-                **layout) -> None:
+def write_store(
+    root: Path, seed: int, n_batches: int, *, dtype: str = "bfloat16", compression: str = "zstd:1", **layout
+) -> None:
     layout = {**LAYOUT, **layout}
     writer = StoreWriter(root, 0, hidden_dtype=dtype, compression=compression, **layout)
     for b in range(writer.resume(), n_batches):
@@ -68,9 +69,17 @@ def write_store(root: Path, seed: int, n_batches: int, *, dtype: str = "bfloat16
 
 def write_manifest_for(root: Path, *, complete: bool, dtype: str = "bfloat16", world_size: int = 1) -> None:
     m = new_manifest(
-        target={"name_or_path": "tiny", "architecture": "Qwen3ForCausalLM", "config_hash": "abc123", "num_layers": 4,
-                "hidden_size": 6, "layer_ids": [1, 2], "vocab_size": 50_000},
-        hidden_dtype=dtype, world_size=world_size,
+        target={
+            "name_or_path": "tiny",
+            "architecture": "Qwen3ForCausalLM",
+            "config_hash": "abc123",
+            "num_layers": 4,
+            "hidden_size": 6,
+            "layer_ids": [1, 2],
+            "vocab_size": 50_000,
+        },
+        hidden_dtype=dtype,
+        world_size=world_size,
     )
     if complete:
         mark_complete(root, m, shards=finished_shards(root, world_size)[0])
@@ -99,9 +108,17 @@ def assert_store_holds(store: FeatureStore, samples: list[tuple]) -> None:
 
 # ------------------------------------------------------------------ round trips
 
-@pytest.mark.parametrize("dtype,compression", [("bfloat16", "zstd:1"), ("bfloat16", "none"),
-                                               ("bfloat16", "blosc-zstd:1:shuffle"), ("float32", "zstd:3"),
-                                               ("float16", "blosc-lz4:5:bitshuffle")])
+
+@pytest.mark.parametrize(
+    "dtype,compression",
+    [
+        ("bfloat16", "zstd:1"),
+        ("bfloat16", "none"),
+        ("bfloat16", "blosc-zstd:1:shuffle"),
+        ("float32", "zstd:3"),
+        ("float16", "blosc-lz4:5:bitshuffle"),
+    ],
+)
 def test_round_trip_is_bit_exact_across_shard_boundaries(tmp_path, dtype, compression):
     write_store(tmp_path, seed=1, n_batches=12, dtype=dtype, compression=compression)
     write_manifest_for(tmp_path, complete=True, dtype=dtype)
@@ -189,7 +206,9 @@ def _gated_shard_writes(writer: StoreWriter, gates: dict[int, threading.Event], 
 def _shard_end_batches(seed: int, n_batches: int, shard_tokens: int) -> list[int]:
     """For each shard boundary, how many of the first batches end at or before it."""
     ends = np.cumsum([sum(len(s[1]) for s in make_batch(seed, b)) for b in range(n_batches)])
-    return [int(np.searchsorted(ends, k * shard_tokens, side="right")) for k in range(1, int(ends[-1]) // shard_tokens + 1)]
+    return [
+        int(np.searchsorted(ends, k * shard_tokens, side="right")) for k in range(1, int(ends[-1]) // shard_tokens + 1)
+    ]
 
 
 def test_shards_finishing_out_of_order_commit_only_the_durable_prefix(tmp_path):
@@ -234,16 +253,31 @@ def test_a_failed_shard_write_stops_the_commit_point_there(tmp_path):
 def test_mark_complete_checks_the_ranks(tmp_path):
     w = StoreWriter(tmp_path, 0, hidden_dtype="bfloat16", **LAYOUT)
     w.append_batch(make_batch(0, 0))
-    m = new_manifest(target={"name_or_path": "t", "architecture": "A", "config_hash": "h", "num_layers": 4,
-                             "hidden_size": 6, "layer_ids": [1, 2], "vocab_size": 9}, hidden_dtype="bfloat16", world_size=1)
+    m = new_manifest(
+        target={
+            "name_or_path": "t",
+            "architecture": "A",
+            "config_hash": "h",
+            "num_layers": 4,
+            "hidden_size": 6,
+            "layer_ids": [1, 2],
+            "vocab_size": 9,
+        },
+        hidden_dtype="bfloat16",
+        world_size=1,
+    )
     with pytest.raises(StoreIncomplete, match="ranks 0 have not finished"):
         mark_complete(tmp_path, m, shards=[])
     entry = w.finalize()
     with pytest.raises(StoreError, match="disagrees with the ranks' progress records"):
-        mark_complete(tmp_path, m, shards=[{"rank": 0, "path": entry.path, "samples": entry.samples + 1, "tokens": entry.tokens}])
+        mark_complete(
+            tmp_path, m, shards=[{"rank": 0, "path": entry.path, "samples": entry.samples + 1, "tokens": entry.tokens}]
+        )
     mark_complete(tmp_path, m, shards=[entry], weights_fingerprint="w", counts={"samples": entry.samples})
     store = FeatureStore(tmp_path)
-    assert store.manifest.target["weights_fingerprint"] == "w" and store.manifest.data["counts"] == {"samples": entry.samples}
+    assert store.manifest.target["weights_fingerprint"] == "w" and store.manifest.data["counts"] == {
+        "samples": entry.samples
+    }
     assert len(store) == entry.samples
 
 
@@ -271,7 +305,9 @@ def test_two_ranks_read_in_rank_order(tmp_path):
 
 
 def test_empty_rank_and_capacity_limits(tmp_path):
-    entry = StoreWriter(tmp_path, 0, hidden_dtype="bfloat16", **{**LAYOUT, "capacity_tokens": 0, "capacity_samples": 0}).finalize()
+    entry = StoreWriter(
+        tmp_path, 0, hidden_dtype="bfloat16", **{**LAYOUT, "capacity_tokens": 0, "capacity_samples": 0}
+    ).finalize()
     assert (entry.samples, entry.tokens) == (0, 0)
     write_manifest_for(tmp_path, complete=True)
     assert len(FeatureStore(tmp_path)) == 0
@@ -308,6 +344,7 @@ def test_parse_compression():
 
 
 # ------------------------------------------------------------------ reader
+
 
 def test_incomplete_store_is_refused_unless_asked(tmp_path):
     w = StoreWriter(tmp_path, 0, hidden_dtype="bfloat16", **LAYOUT)
@@ -354,7 +391,10 @@ def test_stores_equal_sees_a_single_flipped_bit(tmp_path):
 def test_reopening_with_other_settings_is_a_mismatch(tmp_path):
     w = StoreWriter(tmp_path, 0, hidden_dtype="bfloat16", **LAYOUT)
     w.append_batch(make_batch(0, 0))
-    with pytest.raises(StoreMismatch, match=r"rank-00000.zarr: existing rank store was started with other settings \(compression, shard_tokens\)"):
+    with pytest.raises(
+        StoreMismatch,
+        match=r"rank-00000.zarr: existing rank store was started with other settings \(compression, shard_tokens\)",
+    ):
         StoreWriter(tmp_path, 0, hidden_dtype="bfloat16", compression="none", **{**LAYOUT, "shard_tokens": 64})
 
 
@@ -460,11 +500,19 @@ def _assert_commit_is_a_true_prefix(root: Path, reference_root: Path) -> None:
     assert all(np.array_equal(x, y) for x, y in zip(partial.read_raw(0, 0, t), full.read_raw(0, 0, t)))
 
 
-@pytest.mark.parametrize("point,nth", [
-    ("after-shards-before-offsets", 3), ("before-progress", 1),  # 1st: group made, no record yet
-    ("before-progress", 4), ("mid-progress", 3),
-    ("mid-shard-write", 5), ("finalize-after-trim", 1), ("finalize-before-done", 1), ("after-finalize", 1),
-])
+@pytest.mark.parametrize(
+    "point,nth",
+    [
+        ("after-shards-before-offsets", 3),
+        ("before-progress", 1),  # 1st: group made, no record yet
+        ("before-progress", 4),
+        ("mid-progress", 3),
+        ("mid-shard-write", 5),
+        ("finalize-after-trim", 1),
+        ("finalize-before-done", 1),
+        ("after-finalize", 1),
+    ],
+)
 def test_kill_at_a_precise_point_then_resume(tmp_path, reference, point, nth):
     assert _run_child(tmp_path, point, nth) == -signal.SIGKILL  # the point was reached
     _assert_commit_is_a_true_prefix(tmp_path, reference[0])

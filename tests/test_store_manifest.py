@@ -19,13 +19,26 @@ from dflash_pipeline.shared.store.manifest import (
     write_manifest,
 )
 
-TARGET = {"name_or_path": "Qwen/Qwen3-8B", "architecture": "Qwen3ForCausalLM", "config_hash": "cfg123", "num_layers": 36,
-          "hidden_size": 4096, "layer_ids": [1, 9, 17, 25, 33], "vocab_size": 151_936}
+TARGET = {
+    "name_or_path": "Qwen/Qwen3-8B",
+    "architecture": "Qwen3ForCausalLM",
+    "config_hash": "cfg123",
+    "num_layers": 36,
+    "hidden_size": 4096,
+    "layer_ids": [1, 9, 17, 25, 33],
+    "vocab_size": 151_936,
+}
 
 
 def make_manifest(**changes) -> Manifest:
-    fields = dict(target=TARGET, hidden_dtype="bfloat16", world_size=2, tokenizer_fingerprint="tok1",
-                  data={"paths": ["a.jsonl"], "fingerprint": "d1", "max_length": 2048}, settings={"regenerate": False})
+    fields = dict(
+        target=TARGET,
+        hidden_dtype="bfloat16",
+        world_size=2,
+        tokenizer_fingerprint="tok1",
+        data={"paths": ["a.jsonl"], "fingerprint": "d1", "max_length": 2048},
+        settings={"regenerate": False},
+    )
     return new_manifest(**{**fields, **changes})
 
 
@@ -37,7 +50,10 @@ def test_round_trip_and_derived_fields(tmp_path):
     loaded = load_manifest(tmp_path)
     assert loaded == m and loaded.root == str(tmp_path)
     assert loaded.hidden_width == 5 * 4096 and loaded.target["weights_fingerprint"] == ""
-    m.shards = [ShardEntry(0, "shards/rank-00000.zarr", 2, 20), {"rank": 1, "path": "shards/rank-00001.zarr", "samples": 3, "tokens": 30}]
+    m.shards = [
+        ShardEntry(0, "shards/rank-00000.zarr", 2, 20),
+        {"rank": 1, "path": "shards/rank-00001.zarr", "samples": 3, "tokens": 30},
+    ]
     m.complete = True
     write_manifest(tmp_path, m)
     loaded = load_manifest(tmp_path)
@@ -72,7 +88,9 @@ def test_check_compatible_names_the_store_and_the_field(tmp_path):
     loaded = load_manifest(tmp_path)
     with pytest.raises(StoreIncomplete, match=f"{tmp_path}: store is incomplete"):
         check_compatible(loaded)
-    check_compatible(loaded, require_complete=False, config_hash="cfg123", layer_ids=(1, 9, 17, 25, 33), hidden_size=4096)
+    check_compatible(
+        loaded, require_complete=False, config_hash="cfg123", layer_ids=(1, 9, 17, 25, 33), hidden_size=4096
+    )
     for kwargs, message in [
         ({"config_hash": "other"}, "config_hash='cfg123', expected 'other'"),
         ({"layer_ids": [1, 9]}, r"layer_ids=\[1, 9, 17, 25, 33\], expected \[1, 9\]"),
@@ -88,16 +106,21 @@ def test_resume_differences_ignore_what_completion_fills_in():
     running.target["weights_fingerprint"] = "w1"
     running.complete, running.compression = True, "zstd:1"
     assert resume_differences(running, make_manifest()) == []
-    other = make_manifest(target={**TARGET, "layer_ids": [2, 4]}, data={"paths": ["b.jsonl"], "fingerprint": "d2", "max_length": 2048})
+    other = make_manifest(
+        target={**TARGET, "layer_ids": [2, 4]}, data={"paths": ["b.jsonl"], "fingerprint": "d2", "max_length": 2048}
+    )
     assert resume_differences(running, other) == [
-        "data.fingerprint: 'd1' -> 'd2'", "target.layer_ids: [1, 9, 17, 25, 33] -> [2, 4]",
+        "data.fingerprint: 'd1' -> 'd2'",
+        "target.layer_ids: [1, 9, 17, 25, 33] -> [2, 4]",
     ]
 
 
 def test_resume_differences_compare_what_paths_name_not_how_they_were_typed():
     running = make_manifest(target={**TARGET, "name_or_path": "models/q", "location": "/abs/models/q"})
-    respelled = make_manifest(target={**TARGET, "name_or_path": "./models/q", "location": "/abs/models/q"},
-                              data={"paths": ["/abs/a.jsonl"], "fingerprint": "d1", "max_length": 2048})
+    respelled = make_manifest(
+        target={**TARGET, "name_or_path": "./models/q", "location": "/abs/models/q"},
+        data={"paths": ["/abs/a.jsonl"], "fingerprint": "d1", "max_length": 2048},
+    )
     assert resume_differences(running, respelled) == []
     moved = make_manifest(target={**TARGET, "name_or_path": "models/q", "location": "/other/models/q"})
     assert resume_differences(running, moved) == ["target.location: '/abs/models/q' -> '/other/models/q'"]

@@ -28,8 +28,24 @@ from dflash_pipeline.train.packing import plan_packs, rank_slice
 from dflash_pipeline.train.run import run_training
 from dflash_pipeline.train.step import pack_loss
 
-TRAIN_ARGS = ["--device", "cpu", "--num-layers", "1", "--block-size", "8", "--pack-tokens", "256",
-              "--num-blocks", "16", "--eval-samples", "4", "--loader-workers", "0", "--lr", "1e-3"]
+TRAIN_ARGS = [
+    "--device",
+    "cpu",
+    "--num-layers",
+    "1",
+    "--block-size",
+    "8",
+    "--pack-tokens",
+    "256",
+    "--num-blocks",
+    "16",
+    "--eval-samples",
+    "4",
+    "--loader-workers",
+    "0",
+    "--lr",
+    "1e-3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +53,33 @@ def store_dir(tiny_target_dir, tmp_path_factory) -> Path:
     data = tmp_path_factory.mktemp("data") / "corpus.jsonl"
     data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:48]) + "\n")
     out = tmp_path_factory.mktemp("store") / "store"
-    run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu",
-                                 max_length=256, batch_tokens=2048))
+    run_extraction(
+        ExtractConfig(
+            target=str(tiny_target_dir),
+            data=(str(data),),
+            out=str(out),
+            device="cpu",
+            max_length=256,
+            batch_tokens=2048,
+        )
+    )
     return out
 
 
 def base_config(store: Path, out: Path, **kw) -> TrainConfig:
-    return TrainConfig(store=str(store), out=str(out), device="cpu", num_layers=1, block_size=8, pack_tokens=256,
-                       num_blocks=16, eval_samples=4, loader_workers=0, lr=1e-3, **kw)
+    return TrainConfig(
+        store=str(store),
+        out=str(out),
+        device="cpu",
+        num_layers=1,
+        block_size=8,
+        pack_tokens=256,
+        num_blocks=16,
+        eval_samples=4,
+        loader_workers=0,
+        lr=1e-3,
+        **kw,
+    )
 
 
 def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None) -> dict[str, np.ndarray]:
@@ -66,7 +101,7 @@ def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None
         packs = rank_slice(plan_packs(np.arange(len(store)), lengths, cfg.pack_tokens, 0, 0), rank, world, per_rank)
         batch = build_batch(store, packs[:per_rank], spec, 0, 0)
         loss_sum, weight, _ = pack_loss(ddp, head, batch, 4.0)
-        global_weight, = all_sum([float(weight)], device)
+        (global_weight,) = all_sum([float(weight)], device)
         (loss_sum * (world / global_weight)).backward()
         return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
     finally:
@@ -115,8 +150,15 @@ def test_each_worker_fills_only_its_own_slots(store_dir):
     store = FeatureStore(store_dir)
     plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=1, rank=0, world=1, packs_per_step=1)
     schedule = plan.schedule(3)[:10]
-    got = list(device_batches(_WorkerTaggedSteps(str(store_dir), plan, PackSpec(256, 16, 8, 0, 512)), schedule, 3,
-                              torch.device("cpu"), prefetch=2))
+    got = list(
+        device_batches(
+            _WorkerTaggedSteps(str(store_dir), plan, PackSpec(256, 16, 8, 0, 512)),
+            schedule,
+            3,
+            torch.device("cpu"),
+            prefetch=2,
+        )
+    )
     assert [int(b["worker"]) for _, _, b in got] == [i % 3 for i in range(len(schedule))]
 
 
@@ -222,8 +264,23 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def train_cmd(store: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(store), "--out", str(out), *TRAIN_ARGS,
-            "--max-steps", "10", "--checkpoint-every", "3", "--eval-every", "5", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "dflash_pipeline.train.cli",
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        *TRAIN_ARGS,
+        "--max-steps",
+        "10",
+        "--checkpoint-every",
+        "3",
+        "--eval-every",
+        "5",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -234,8 +291,9 @@ def test_killed_run_resumes_with_identical_losses(store_dir, tmp_path):
     assert sorted(want) == list(range(1, 11))
 
     run = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(store_dir, run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        train_cmd(store_dir, run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 300
     while not (run / "metrics.jsonl").exists() or len(losses(run)) < 5:
         assert proc.poll() is None and time.time() < deadline
@@ -256,7 +314,9 @@ def test_training_reduces_loss_and_reports_acceptance(store_dir, tmp_path):
     got = losses(tmp_path / "run")
     assert got[25] < got[1]
     assert result.eval_tau is not None and result.eval_tau >= 1.0
-    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    evals = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
+    ]
     assert evals and evals[-1]["tau"] == pytest.approx(result.eval_tau)
 
 
@@ -346,7 +406,9 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     from dflash_pipeline.train import checkpoint as ckpt
     from dflash_pipeline.train import loop
 
-    cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=6, checkpoint_every=2, eval_every=2, keep_checkpoints=3)
+    cfg = replace(
+        base_config(store_dir, tmp_path / "a"), max_steps=6, checkpoint_every=2, eval_every=2, keep_checkpoints=3
+    )
     saved, restored, schedules, models, after_init = {}, {}, [], [], []
     real_build, real_save, real_load = loop.build_model, ckpt.save_checkpoint, ckpt.load_trainer_state
     real_batches, real_state = loop.device_batches, ckpt.load_state
@@ -361,8 +423,9 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
         return model, head
 
     def save_checkpoint(out, model, optimizer, scheduler, state, *rest):
-        saved[state.step] = copy.deepcopy((model.state_dict(), optimizer.state_dict(), scheduler.state_dict(),
-                                           state.to_dict(), global_rngs()))
+        saved[state.step] = copy.deepcopy(
+            (model.state_dict(), optimizer.state_dict(), scheduler.state_dict(), state.to_dict(), global_rngs())
+        )
         return real_save(out, model, optimizer, scheduler, state, *rest)
 
     def load_state(path):
@@ -371,8 +434,9 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
 
     def load_trainer_state(path, optimizer, scheduler):
         real_load(path, optimizer, scheduler)  # the drafter's weights were loaded just before
-        restored["all"] = copy.deepcopy((models[-1].state_dict(), optimizer.state_dict(), scheduler.state_dict(),
-                                         restored["state"].to_dict()))
+        restored["all"] = copy.deepcopy(
+            (models[-1].state_dict(), optimizer.state_dict(), scheduler.state_dict(), restored["state"].to_dict())
+        )
 
     def device_batches(dataset, steps, *args, **kwargs):
         schedules.append(list(steps))
@@ -395,7 +459,9 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     (crashed / "checkpoints" / "latest").write_text("step-00000004")
     lines = (crashed / "metrics.jsonl").read_text().splitlines()
     before_crash = [line for line in lines if json.loads(line)["step"] <= 5]
-    (crashed / "metrics.jsonl").write_text("".join(line + "\n" for line in before_crash) + '{"step": 6, "epoch": 0, "lo')
+    (crashed / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in before_crash) + '{"step": 6, "epoch": 0, "lo'
+    )
     result = run_training(replace(cfg, out=str(crashed), resume=True))
 
     assert_same_bits(restored["all"], saved[4][:4], "restored")
@@ -405,16 +471,23 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     assert f"metrics.jsonl: line {len(before_crash) + 1} is cut short" in capsys.readouterr().err
 
     def metric(run: Path) -> list[dict]:
-        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
-                for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
 
     assert_same_bits(metric(crashed), metric(Path(cfg.out)), "metrics")
-    assert_same_bits(load_file(crashed / "drafter" / "model.safetensors"),
-                     load_file(Path(cfg.out) / "drafter" / "model.safetensors"), "drafter")
+    assert_same_bits(
+        load_file(crashed / "drafter" / "model.safetensors"),
+        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
+        "drafter",
+    )
     assert result.steps == 6 and not result.already_complete
 
 
-def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_run_shows_its_results(store_dir, tmp_path):
+def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_run_shows_its_results(
+    store_dir, tmp_path
+):
     """The run stops after one epoch although --max-steps asks for more, and says why; `--resume` of
     the finished run trains nothing and reports that run's loss, last tau and throughput."""
     from click.testing import CliRunner
@@ -422,10 +495,23 @@ def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_
     from dflash_pipeline.train.cli import main
 
     def train(out: Path, *extra: str) -> list[str]:
-        result = CliRunner().invoke(main, ["--store", str(store_dir), "--out", str(out), *TRAIN_ARGS,
-                                           "--eval-every", "1000", "--checkpoint-every", "1000", *extra])
+        result = CliRunner().invoke(
+            main,
+            [
+                "--store",
+                str(store_dir),
+                "--out",
+                str(out),
+                *TRAIN_ARGS,
+                "--eval-every",
+                "1000",
+                "--checkpoint-every",
+                "1000",
+                *extra,
+            ],
+        )
         assert result.exit_code == 0, result.output
-        return result.output.splitlines()[result.output.splitlines().index("dflash-train summary"):]
+        return result.output.splitlines()[result.output.splitlines().index("dflash-train summary") :]
 
     first = train(tmp_path / "run", "--epochs", "1", "--max-steps", "1000")
     steps = len(losses(tmp_path / "run"))
@@ -440,4 +526,6 @@ def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_
     assert len(losses(tmp_path / "run")) == steps
 
     short = train(tmp_path / "short", "--epochs", "1", "--max-steps", "2")
-    assert not any("epoch limit" in line or line.startswith("status") for line in short) and "steps      2   " in short[2]
+    assert (
+        not any("epoch limit" in line or line.startswith("status") for line in short) and "steps      2   " in short[2]
+    )

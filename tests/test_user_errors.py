@@ -21,23 +21,59 @@ from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.eval_cli import main as eval_main
 from dflash_pipeline.train.run import run_training
 
-TRAIN_ARGS = ["--device", "cpu", "--num-layers", "1", "--block-size", "8", "--pack-tokens", "256",
-              "--num-blocks", "16", "--eval-samples", "4", "--loader-workers", "0", "--max-steps", "1"]
+TRAIN_ARGS = [
+    "--device",
+    "cpu",
+    "--num-layers",
+    "1",
+    "--block-size",
+    "8",
+    "--pack-tokens",
+    "256",
+    "--num-blocks",
+    "16",
+    "--eval-samples",
+    "4",
+    "--loader-workers",
+    "0",
+    "--max-steps",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
 def store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("store") / "store"
-    run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(small_corpus),), out=str(out), device="cpu",
-                                 max_length=256, batch_tokens=2048))
+    run_extraction(
+        ExtractConfig(
+            target=str(tiny_target_dir),
+            data=(str(small_corpus),),
+            out=str(out),
+            device="cpu",
+            max_length=256,
+            batch_tokens=2048,
+        )
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def drafter(store, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run") / "run"
-    run_training(TrainConfig(store=str(store), out=str(out), device="cpu", num_layers=1, block_size=8, pack_tokens=256,
-                             num_blocks=16, eval_samples=4, loader_workers=0, max_steps=1))
+    run_training(
+        TrainConfig(
+            store=str(store),
+            out=str(out),
+            device="cpu",
+            num_layers=1,
+            block_size=8,
+            pack_tokens=256,
+            num_blocks=16,
+            eval_samples=4,
+            loader_workers=0,
+            max_steps=1,
+        )
+    )
     return out / "drafter"
 
 
@@ -70,14 +106,39 @@ def fails(main, args: list[str], *named: str, code: int = 1) -> str:
 
 
 def eval_args(target: Path, drafter: Path, prompts: Path) -> list[str]:
-    return ["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--device", "cpu",
-            "--limit", "1", "--max-new-tokens", "4"]
+    return [
+        "--target",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--prompts",
+        str(prompts),
+        "--device",
+        "cpu",
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "4",
+    ]
 
 
 def test_missing_data_file_is_one_line_and_writes_nothing(tiny_target_dir, tmp_path):
     out = tmp_path / "store"
-    fails(extract_main, ["--target", str(tiny_target_dir), "--data", str(tmp_path / "nope.jsonl"), "--out", str(out),
-                         "--device", "cpu"], "nope.jsonl", "no such file")
+    fails(
+        extract_main,
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(tmp_path / "nope.jsonl"),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ],
+        "nope.jsonl",
+        "no such file",
+    )
     assert not out.exists()
 
 
@@ -86,13 +147,21 @@ def test_target_without_tokenizer_files_says_so(tiny_target_dir, small_corpus, t
     bare.mkdir()
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         shutil.copy(tiny_target_dir / name, bare / name)
-    fails(extract_main, ["--target", str(bare), "--data", str(small_corpus), "--out", str(tmp_path / "s"), "--device", "cpu"],
-          str(bare), "no tokenizer files")
+    fails(
+        extract_main,
+        ["--target", str(bare), "--data", str(small_corpus), "--out", str(tmp_path / "s"), "--device", "cpu"],
+        str(bare),
+        "no tokenizer files",
+    )
 
 
 def test_missing_store_and_truncated_manifest(store, tmp_path):
-    fails(train_main, ["--store", str(tmp_path / "nostore"), "--out", str(tmp_path / "r"), *TRAIN_ARGS],
-          "nostore", "manifest.json")
+    fails(
+        train_main,
+        ["--store", str(tmp_path / "nostore"), "--out", str(tmp_path / "r"), *TRAIN_ARGS],
+        "nostore",
+        "manifest.json",
+    )
     cut = tmp_path / "cut"
     shutil.copytree(store, cut)
     manifest = cut / "manifest.json"
@@ -113,8 +182,12 @@ def test_corrupt_shard_read_by_a_loader_worker_is_one_line(store, tmp_path):
     run = tmp_path / "run"
     args = list(TRAIN_ARGS)
     args[args.index("--loader-workers") + 1] = "1"
-    proc = subprocess.run([sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(bad), "--out", str(run),
-                           *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(bad), "--out", str(run), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith("dflash-train: error: "), proc.stderr[-2000:]
@@ -124,7 +197,12 @@ def test_corrupt_shard_read_by_a_loader_worker_is_one_line(store, tmp_path):
 
 
 def test_missing_drafter(tiny_target_dir, small_corpus, tmp_path):
-    fails(eval_main, eval_args(tiny_target_dir, tmp_path / "nodrafter", small_corpus), "nodrafter", "no such drafter folder")
+    fails(
+        eval_main,
+        eval_args(tiny_target_dir, tmp_path / "nodrafter", small_corpus),
+        "nodrafter",
+        "no such drafter folder",
+    )
     half = tmp_path / "half"
     half.mkdir()
     (half / "config.json").write_text("{}")
@@ -139,13 +217,15 @@ def test_trained_drafter_records_its_target(drafter, store):
 
 
 def test_eval_refuses_a_target_with_other_weights(drafter, other_weights, small_corpus):
-    line = fails(eval_main, eval_args(other_weights, drafter, small_corpus), str(other_weights), str(drafter),
-                 "other weights")
+    line = fails(
+        eval_main, eval_args(other_weights, drafter, small_corpus), str(other_weights), str(drafter), "other weights"
+    )
     assert "weights fingerprint" in line
 
 
-def test_eval_refuses_another_architecture_with_or_without_a_recorded_identity(drafter, shallow_target, tiny_llama_dir,
-                                                                               small_corpus, tmp_path):
+def test_eval_refuses_another_architecture_with_or_without_a_recorded_identity(
+    drafter, shallow_target, tiny_llama_dir, small_corpus, tmp_path
+):
     fails(eval_main, eval_args(tiny_llama_dir, drafter, small_corpus), str(tiny_llama_dir), "config hash")
     fails(eval_main, eval_args(shallow_target, drafter, small_corpus), str(shallow_target), "config hash")
     anonymous = tmp_path / "anonymous"  # a drafter from elsewhere: only its shape can be checked
@@ -157,31 +237,53 @@ def test_eval_refuses_another_architecture_with_or_without_a_recorded_identity(d
 def test_eval_accepts_its_own_target(drafter, tiny_target_dir, small_corpus, tmp_path):
     result = CliRunner().invoke(eval_main, [*eval_args(tiny_target_dir, drafter, small_corpus), "--dtype", "bfloat16"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout[result.stdout.index("{"):])["all_lossless"] is True
+    assert json.loads(result.stdout[result.stdout.index("{") :])["all_lossless"] is True
 
 
 def test_train_refuses_a_store_of_another_target(store, other_weights, tiny_llama_dir, tmp_path):
     for target, why in ((other_weights, "other weights"), (tiny_llama_dir, "config hash")):
-        fails(train_main, ["--store", str(store), "--out", str(tmp_path / "r"), "--target", str(target), *TRAIN_ARGS],
-              str(target), str(store), why)
+        fails(
+            train_main,
+            ["--store", str(store), "--out", str(tmp_path / "r"), "--target", str(target), *TRAIN_ARGS],
+            str(target),
+            str(store),
+            why,
+        )
     assert not (tmp_path / "r").exists()
 
 
 def test_debug_shows_the_traceback(tmp_path, tiny_target_dir, monkeypatch):
     monkeypatch.setenv("DFLASH_DEBUG", "0")  # restored afterwards: --debug sets it for worker processes
-    result = CliRunner().invoke(extract_main, ["--target", str(tiny_target_dir), "--data", str(tmp_path / "nope.jsonl"),
-                                               "--out", str(tmp_path / "s"), "--device", "cpu", "--debug"])
+    result = CliRunner().invoke(
+        extract_main,
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            str(tmp_path / "nope.jsonl"),
+            "--out",
+            str(tmp_path / "s"),
+            "--device",
+            "cpu",
+            "--debug",
+        ],
+    )
     assert result.exit_code == 1
     assert type(result.exception).__name__ == "DataError" and "nope.jsonl" in str(result.exception)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
-def test_library_callers_asking_for_cuda_are_refused_not_moved_to_the_cpu(store, tiny_target_dir, small_corpus, tmp_path):
+def test_library_callers_asking_for_cuda_are_refused_not_moved_to_the_cpu(
+    store, tiny_target_dir, small_corpus, tmp_path
+):
     from dflash_pipeline.shared.runtime.device import DeviceUnavailable
 
     with pytest.raises(DeviceUnavailable, match="device cuda: no CUDA device"):
         run_training(TrainConfig(store=str(store), out=str(tmp_path / "run"), device="cuda"))
     with pytest.raises(DeviceUnavailable, match="device cuda: no CUDA device"):
-        run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(small_corpus),), out=str(tmp_path / "s"),
-                                     device="cuda"))
+        run_extraction(
+            ExtractConfig(
+                target=str(tiny_target_dir), data=(str(small_corpus),), out=str(tmp_path / "s"), device="cuda"
+            )
+        )
     assert not (tmp_path / "run").exists() and not (tmp_path / "s").exists()

@@ -38,8 +38,9 @@ def checkpoint_dir(out: Path) -> Path:
     return out / "checkpoints"
 
 
-def save_checkpoint(out: Path, model: DFlashDrafter, optimizer, scheduler, state: TrainState, keep: int,
-                    target: TargetIdentity) -> Path:
+def save_checkpoint(
+    out: Path, model: DFlashDrafter, optimizer, scheduler, state: TrainState, keep: int, target: TargetIdentity
+) -> Path:
     root = checkpoint_dir(out)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:08d}"

@@ -30,8 +30,10 @@ class TrainConfig:
     packs_per_step: int = option(1, range=(1, None), help="Packs per GPU per optimizer step.")
     eval_samples: int = option(64, range=(0, None), help="Held-out samples for offline acceptance.")
     loader_workers: int | None = option(  # None: `resolved_loader_workers`
-        None, range=(0, None),
-        help="DataLoader worker processes per rank [default: on GPU the host's cores shared by its ranks, on CPU 2].")
+        None,
+        range=(0, None),
+        help="DataLoader worker processes per rank [default: on GPU the host's cores shared by its ranks, on CPU 2].",
+    )
     # optimisation (paper: AdamW 6e-4, cosine, 4% warmup, clip 1.0, 6 epochs)
     epochs: int = option(6, range=(1, None))
     max_steps: int | None = option(None, range=(1, None))
@@ -44,13 +46,20 @@ class TrainConfig:
     # execution
     device: str = option("auto", choices=DEVICE_CHOICES, help=DEVICE_HELP)
     gpus: tuple[int, ...] = option(
-        (), type=IntList(), help="GPU ids, one DDP process each [default: 3 if available, else all].")
+        (), type=IntList(), help="GPU ids, one DDP process each [default: 3 if available, else all]."
+    )
     workers: int = option(1, range=(1, None), help="DDP processes with --device cpu (gloo).")
     collective_timeout: float = option(
-        300.0, range=(1, None), help="Several processes: seconds a rank may go without answering (frozen or cut-off "
-        "node) before the others stop naming it; slow work is waited for while its rank answers.")
-    attention: str = option("auto", choices=("auto", "flex_compiled", "flex_eager", "sdpa_dense"),
-                            help="auto: compiled flex_attention on GPU, dense SDPA on CPU.")
+        300.0,
+        range=(1, None),
+        help="Several processes: seconds a rank may go without answering (frozen or cut-off "
+        "node) before the others stop naming it; slow work is waited for while its rank answers.",
+    )
+    attention: str = option(
+        "auto",
+        choices=("auto", "flex_compiled", "flex_eager", "sdpa_dense"),
+        help="auto: compiled flex_attention on GPU, dense SDPA on CPU.",
+    )
     # bookkeeping
     log_every: int = option(1, range=(1, None))
     eval_every: int = option(100, range=(1, None))

@@ -35,7 +35,9 @@ class PackSpec:
     max_anchors_per_sample: int
 
     @classmethod
-    def for_drafter(cls, config: DFlashConfig, pack_tokens: int, num_blocks: int, max_anchors_per_sample: int) -> PackSpec:
+    def for_drafter(
+        cls, config: DFlashConfig, pack_tokens: int, num_blocks: int, max_anchors_per_sample: int
+    ) -> PackSpec:
         """Block size and mask token taken from the drafter's config, their one source."""
         return cls(pack_tokens, num_blocks, config.block_size, config.mask_token_id, max_anchors_per_sample)
 
@@ -54,8 +56,12 @@ class StepPlan:
     packs_per_step: int
 
     def epoch_packs(self, epoch: int) -> list[list[int]]:
-        return rank_slice(plan_packs(self.train_ids, self.lengths, self.pack_tokens, self.seed, epoch),
-                          self.rank, self.world, self.packs_per_step)
+        return rank_slice(
+            plan_packs(self.train_ids, self.lengths, self.pack_tokens, self.seed, epoch),
+            self.rank,
+            self.world,
+            self.packs_per_step,
+        )
 
     def steps_in(self, epoch: int) -> int:
         return len(self.epoch_packs(epoch)) // self.packs_per_step
@@ -111,8 +117,12 @@ class StepDataset(Dataset):
         return epoch, k, {"slot": slot}
 
 
-def batch_layout(spec: PackSpec, packs: int, hidden_width: int, hidden_dtype: torch.dtype,
-                 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def batch_layout(
+    spec: PackSpec,
+    packs: int,
+    hidden_width: int,
+    hidden_dtype: torch.dtype,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every tensor of a batch of `packs` packs: fixed by the spec, so a feed can
     allocate its slots before any batch exists."""
     S, N, B = spec.pack_tokens, spec.num_blocks, spec.block_size
@@ -138,8 +148,14 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Te
     return proto.new(proto._typed_storage()._new_shared(math.prod(shape))).view(shape)
 
 
-def build_batch(store: FeatureStore, packs: list[list[int]], spec: PackSpec, seed: int, epoch: int,
-                out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def build_batch(
+    store: FeatureStore,
+    packs: list[list[int]],
+    spec: PackSpec,
+    seed: int,
+    epoch: int,
+    out: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Packs stacked along a leading axis, written into `out` (tensors of `batch_layout`; new ones if
     None), hidden states decoded straight into `out["context_hidden"]`."""
     if out is None:
@@ -153,8 +169,9 @@ def build_batch(store: FeatureStore, packs: list[list[int]], spec: PackSpec, see
     return out
 
 
-def build_pack(store: FeatureStore, sample_ids: list[int], spec: PackSpec, seed: int, epoch: int,
-               hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+def build_pack(
+    store: FeatureStore, sample_ids: list[int], spec: PackSpec, seed: int, epoch: int, hidden: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Concatenate samples into one context of `pack_tokens` (their hidden states go into `hidden`,
     [S, W], zero past the last sample), draw anchors per sample, build blocks."""
     S = spec.pack_tokens

@@ -51,13 +51,28 @@ def taus(accepted: list[list[int]]) -> dict[str, float]:
     outputs more."""
     means = [sum(a) / len(a) for a in accepted if a]
     steps = sum(len(a) for a in accepted)
-    return {"tau": sum(means) / len(means) if means else float("nan"),
-            "tau_pooled": sum(map(sum, accepted)) / steps if steps else float("nan")}
+    return {
+        "tau": sum(means) / len(means) if means else float("nan"),
+        "tau_pooled": sum(map(sum, accepted)) / steps if steps else float("nan"),
+    }
 
 
-def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: int, max_new_tokens: int,
-             device: str, dtype: str, block_size: int | None, max_prompt_tokens: int = 1024,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> dict:
+def evaluate(
+    target_path: str,
+    drafter_path: str,
+    prompts_path: str,
+    *,
+    limit: int,
+    max_new_tokens: int,
+    device: str,
+    dtype: str,
+    block_size: int | None,
+    max_prompt_tokens: int = 1024,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+) -> dict:
     from dflash_pipeline.data.chat import stop_token_ids
     from dflash_pipeline.shared.generation.sampling import SamplingParams
     from dflash_pipeline.shared.generation.speculative import dflash_generate, target_generate
@@ -73,8 +88,12 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
     from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target, load_target_config
 
     dev = torch.device(device)
-    torch_dtype = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    drafter = DFlashDrafter.from_pretrained(drafter_path, attention_backend="sdpa_dense", device=dev, dtype=torch_dtype).eval()
+    torch_dtype = (
+        getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    )
+    drafter = DFlashDrafter.from_pretrained(
+        drafter_path, attention_backend="sdpa_dense", device=dev, dtype=torch_dtype
+    ).eval()
     identity = TargetIdentity.load(drafter_path)
     target_config = load_target_config(target_path)
     if identity is not None:  # refused before the target's weights are read
@@ -103,23 +122,39 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
     for n, ids in enumerate(prompts):
         p = torch.tensor(ids, device=dev)
         base = target_generate(target, p, max_new_tokens, stop_ids, sampling, generator(n))
-        spec = dflash_generate(target, drafter, capture, p, max_new_tokens, stop_ids, block_size, sampling,
-                               generator(n))
-        rows.append({"prompt_tokens": len(ids), "new_tokens": len(spec.tokens), "tau": spec.tau,
-                     "lossless": spec.tokens == base.tokens if sampling.greedy else None,
-                     "target_s": base.seconds, "dflash_s": spec.seconds, "accepted": spec.accepted,
-                     "target_tokens": base.tokens, "dflash_tokens": spec.tokens})
+        spec = dflash_generate(
+            target, drafter, capture, p, max_new_tokens, stop_ids, block_size, sampling, generator(n)
+        )
+        rows.append(
+            {
+                "prompt_tokens": len(ids),
+                "new_tokens": len(spec.tokens),
+                "tau": spec.tau,
+                "lossless": spec.tokens == base.tokens if sampling.greedy else None,
+                "target_s": base.seconds,
+                "dflash_s": spec.seconds,
+                "accepted": spec.accepted,
+                "target_tokens": base.tokens,
+                "dflash_tokens": spec.tokens,
+            }
+        )
     capture.close()
     return {
-        "target": target_path, "drafter": drafter_path, "prompts": prompts_path, "num_prompts": len(rows),
-        "max_new_tokens": max_new_tokens, "block_size": block_size or drafter.config.block_size,
-        "device": str(dev), "dtype": str(torch_dtype).removeprefix("torch."),
+        "target": target_path,
+        "drafter": drafter_path,
+        "prompts": prompts_path,
+        "num_prompts": len(rows),
+        "max_new_tokens": max_new_tokens,
+        "block_size": block_size or drafter.config.block_size,
+        "device": str(dev),
+        "dtype": str(torch_dtype).removeprefix("torch."),
         "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
         **taus([r["accepted"] for r in rows]),
         "speedup": sum(r["target_s"] for r in rows) / sum(r["dflash_s"] for r in rows),
         "all_lossless": all(r["lossless"] for r in rows) if sampling.greedy else None,
-        "lossless_check": "greedy: dflash_tokens must equal target_tokens" if sampling.greedy else
-                          "skipped: with sampling the two decodings draw different tokens by chance",
+        "lossless_check": "greedy: dflash_tokens must equal target_tokens"
+        if sampling.greedy
+        else "skipped: with sampling the two decodings draw different tokens by chance",
         "per_prompt": rows,
     }
 
@@ -127,8 +162,11 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--target", required=True, help="The target model folder (as given to dflash-extract).")
 @click.option("--drafter", required=True, help="A trained drafter folder (dflash-train's OUT/drafter).")
-@click.option("--prompts", required=True,
-              help='Prompt records: the formats of --data of dflash-extract, also without replies, or {"prompt": ...}.')
+@click.option(
+    "--prompts",
+    required=True,
+    help='Prompt records: the formats of --data of dflash-extract, also without replies, or {"prompt": ...}.',
+)
 @click.option("--limit", default=16, type=click.IntRange(1), help="Number of prompts.")
 @click.option("--max-new-tokens", default=128, type=click.IntRange(1))
 @click.option("--block-size", default=None, type=click.IntRange(2), help="[default: the drafter's]")
@@ -140,12 +178,37 @@ def evaluate(target_path: str, drafter_path: str, prompts_path: str, *, limit: i
 @click.option("--seed", default=0, type=int, help="Seed of the sampling (prompt n uses seed + n).")
 @click.option("--json", "json_path", default=None, help="Write the full report here.")
 @cli_errors("dflash-eval")
-def main(target, drafter, prompts, limit, max_new_tokens, block_size, device, dtype, temperature, top_p, top_k, seed,
-         json_path) -> None:
+def main(
+    target,
+    drafter,
+    prompts,
+    limit,
+    max_new_tokens,
+    block_size,
+    device,
+    dtype,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    json_path,
+) -> None:
     """Measure acceptance length and speedup of a drafter; check lossless greedy decoding."""
     device = resolve_device("dflash-eval", device)
-    report = evaluate(target, drafter, prompts, limit=limit, max_new_tokens=max_new_tokens, device=device,
-                      dtype=dtype, block_size=block_size, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    report = evaluate(
+        target,
+        drafter,
+        prompts,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+    )
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     click.echo(json.dumps({k: v for k, v in report.items() if k != "per_prompt"}, indent=1))

@@ -62,8 +62,10 @@ class SlotLayout:
 
     def carve(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch's tensors as views of `buffer` (uint8, `nbytes`, on any device)."""
-        return {key: buffer[offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
-                for key, offset, shape, dtype in self.fields}
+        return {
+            key: buffer[offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
+            for key, offset, shape, dtype in self.fields
+        }
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -133,8 +135,9 @@ def slots_needed(workers: int, prefetch: int) -> int:
     return -(-(workers * prefetch + 2) // workers) * workers
 
 
-def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: int, device: torch.device,
-                   prefetch: int = 2) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+def device_batches(
+    dataset: StepDataset, steps: list[tuple[int, int]], workers: int, device: torch.device, prefetch: int = 2
+) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
     """(epoch, k, batch on `device`) for each (epoch, k) of `steps`, in order, built by `workers`
     processes (0: in this process) from a copy of `dataset` given the slot ring. A yielded batch never
     shares memory with a slot. Entries an item carries besides its slot number (a dataset subclass's
@@ -145,11 +148,20 @@ def device_batches(dataset: StepDataset, steps: list[tuple[int, int]], workers: 
             yield epoch, k, to_device(batch, device)
         return
     count = slots_needed(workers, prefetch)
-    shapes = batch_layout(dataset.spec, dataset.plan.packs_per_step, dataset.store.hidden_width, dataset.store.hidden_dtype)
+    shapes = batch_layout(
+        dataset.spec, dataset.plan.packs_per_step, dataset.store.hidden_width, dataset.store.hidden_dtype
+    )
     ring = SlotRing(count, SlotLayout.of(shapes), pin=device.type == "cuda")
-    loader = DataLoader(dataset.with_slots(ring), batch_size=None, sampler=[(e, k, i % count) for i, (e, k) in enumerate(steps)],
-                        num_workers=workers, prefetch_factor=prefetch, multiprocessing_context="spawn",
-                        worker_init_fn=_start_worker, collate_fn=_as_sent)
+    loader = DataLoader(
+        dataset.with_slots(ring),
+        batch_size=None,
+        sampler=[(e, k, i % count) for i, (e, k) in enumerate(steps)],
+        num_workers=workers,
+        prefetch_factor=prefetch,
+        multiprocessing_context="spawn",
+        worker_init_fn=_start_worker,
+        collate_fn=_as_sent,
+    )
     copies: deque[torch.cuda.Event] = deque()  # device copies of the last two batches
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     it = iter(loader)
@@ -187,8 +199,9 @@ def worker_error(exc: UserError) -> UserError:
     return exc
 
 
-def _copy_on(stream: torch.cuda.Stream, ring: SlotRing, slot: int, extras: dict[str, torch.Tensor],
-             device: torch.device) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+def _copy_on(
+    stream: torch.cuda.Stream, ring: SlotRing, slot: int, extras: dict[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
     """The slot copied to `device` in one DMA on `stream` (so it overlaps the step running on the
     current stream instead of queueing behind it), as the batch's views of the copy plus `extras`;
     the current stream waits for it on the GPU (the host does not), and the copies are marked as used

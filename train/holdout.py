@@ -37,6 +37,8 @@ def prompt_groups(store: FeatureStore, window_tokens: int = 1 << 24) -> np.ndarr
         ids, mask = store.read_ids_and_mask(shard, base, stop)
         for j in range(i, end):
             _, first, last, _ = store.sample_span(j)
-            out[j] = keys.setdefault(prompt_key(ids[first - base : last - base], mask[first - base : last - base]), len(keys))
+            out[j] = keys.setdefault(
+                prompt_key(ids[first - base : last - base], mask[first - base : last - base]), len(keys)
+            )
         i = end
     return out

@@ -93,8 +93,9 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def from_rank0(compute: Callable[[], np.ndarray], length: int, device: torch.device,
-               cluster: Cluster | None = None) -> np.ndarray:
+def from_rank0(
+    compute: Callable[[], np.ndarray], length: int, device: torch.device, cluster: Cluster | None = None
+) -> np.ndarray:
     """`compute()` (int64 [length]) run on rank 0 only and sent to every rank: the held-out prompt
     groups read every sample's ids and mask (5 bytes per token of the store), once is enough.
     With `cluster`, the others wait for it at a meeting point, not in the broadcast (it may take long)."""
@@ -152,8 +153,9 @@ class Trainer:
     state: ckpt.TrainState
 
     @classmethod
-    def build(cls, rank: int, world: int, cfg: TrainConfig, device: torch.device,
-              cluster: Cluster | None = None) -> Trainer:
+    def build(
+        cls, rank: int, world: int, cfg: TrainConfig, device: torch.device, cluster: Cluster | None = None
+    ) -> Trainer:
         """Check the store, build the drafter, split off the held-out prompts, plan the packs of every
         step, and make the optimizer and LR schedule; a step 0 state."""
         store = FeatureStore(cfg.store)
@@ -175,18 +177,40 @@ class Trainer:
                 f"({world} ranks x {cfg.packs_per_step} packs of {cfg.pack_tokens} tokens) in epoch "
                 f"{empty[0]}; lower --pack-tokens"
             )
-        eval_packs = (rank_slice(plan_packs(eval_ids, lengths, cfg.pack_tokens, cfg.seed, EVAL_EPOCH), rank, world, 1)
-                      if len(eval_ids) else [])
+        eval_packs = (
+            rank_slice(plan_packs(eval_ids, lengths, cfg.pack_tokens, cfg.seed, EVAL_EPOCH), rank, world, 1)
+            if len(eval_ids)
+            else []
+        )
 
         total_steps = len(schedule) if cfg.max_steps is None else min(cfg.max_steps, len(schedule))
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                                      fused=device.type == "cuda")
+        optimizer = torch.optim.AdamW(
+            trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+        )
         warmup = max(1, int(round(cfg.warmup_ratio * total_steps)))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
         state = ckpt.TrainState(step=0, epoch=0, step_in_epoch=0, store_identity=store_identity(store))
-        return cls(cfg, rank, world, device, cluster, store, model, head, spec, gamma, plan, schedule, total_steps,
-                   eval_packs, trainable, optimizer, scheduler, state)
+        return cls(
+            cfg,
+            rank,
+            world,
+            device,
+            cluster,
+            store,
+            model,
+            head,
+            spec,
+            gamma,
+            plan,
+            schedule,
+            total_steps,
+            eval_packs,
+            trainable,
+            optimizer,
+            scheduler,
+            state,
+        )
 
     @property
     def out(self) -> Path:
@@ -206,7 +230,9 @@ class Trainer:
             print(f"dflash-train: no checkpoint under {out}; starting from scratch")
         if resume_from is None:
             if self.rank == 0 and out.exists() and ckpt.latest_checkpoint(out) is not None:
-                raise TrainingError(f"{out}: holds checkpoints of an earlier run; pass --resume to continue it or choose a new --out")
+                raise TrainingError(
+                    f"{out}: holds checkpoints of an earlier run; pass --resume to continue it or choose a new --out"
+                )
             return False
         state = ckpt.load_state(resume_from)
         if state.store_identity != self.state.store_identity:
@@ -220,8 +246,11 @@ class Trainer:
         return True
 
     def autocast(self) -> torch.autocast:
-        return (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                else torch.autocast("cpu", enabled=False))
+        return (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device.type == "cuda"
+            else torch.autocast("cpu", enabled=False)
+        )
 
     def fit(self, metrics: MetricsLog) -> tuple[float | None, float]:
         """The steps from `state.step` to `total_steps`, each logged, evaluated and checkpointed at
@@ -229,12 +258,20 @@ class Trainer:
         them."""
         cfg, state = self.cfg, self.state
         tau, rate = metrics.kept_results()
-        ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None) if self.world > 1 else self.model
-        bar = progress_bar(total=self.total_steps, initial=state.step, desc="train", unit="step", disable=self.rank != 0)
+        ddp = (
+            DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            if self.world > 1
+            else self.model
+        )
+        bar = progress_bar(
+            total=self.total_steps, initial=state.step, desc="train", unit="step", disable=self.rank != 0
+        )
         throughput = Throughput()
         workers = cfg.resolved_loader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         dataset = StepDataset(cfg.store, self.plan, self.spec)
-        for epoch, k, batch in device_batches(dataset, self.schedule[state.step : self.total_steps], workers, self.device):
+        for epoch, k, batch in device_batches(
+            dataset, self.schedule[state.step : self.total_steps], workers, self.device
+        ):
             step_loss, reduced = self.train_step(ddp, batch)
             state.step += 1
             state.epoch, state.step_in_epoch = epoch, k + 1
@@ -259,13 +296,15 @@ class Trainer:
         self.model.train()
         with self.autocast():
             loss_sum, weight, stats = pack_loss(ddp, self.head, batch, self.gamma)
-        global_weight, = all_sum([float(weight)], self.device)
+        (global_weight,) = all_sum([float(weight)], self.device)
         loss = loss_sum * (self.world / max(global_weight, 1e-12))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
-        reduced = all_sum([float(loss_sum.detach()), float(grad_norm)] + stats["correct"].tolist() + stats["total"].tolist(),
-                          self.device)
+        reduced = all_sum(
+            [float(loss_sum.detach()), float(grad_norm)] + stats["correct"].tolist() + stats["total"].tolist(),
+            self.device,
+        )
         step_loss = reduced[0] / max(global_weight, 1e-12)
         if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
             raise TrainingError(
@@ -281,8 +320,12 @@ class Trainer:
         n_pos = (len(reduced) - 2) // 2
         correct, totals = np.array(reduced[2 : 2 + n_pos]), np.array(reduced[2 + n_pos :])
         return {
-            "step": self.state.step, "epoch": self.state.epoch, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": reduced[1] / self.world, "tokens_per_s": rate,
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "loss": step_loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": reduced[1] / self.world,
+            "tokens_per_s": rate,
             "acc": [round(c / t, 4) if t else None for c, t in zip(correct, totals)],
         }
 
@@ -308,8 +351,15 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Rank 0 writes the checkpoint of the step just done; every rank meets after it."""
         if self.rank == 0:
-            ckpt.save_checkpoint(self.out, self.model, self.optimizer, self.scheduler, self.state,
-                                 self.cfg.keep_checkpoints, self.target_identity())
+            ckpt.save_checkpoint(
+                self.out,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.state,
+                self.cfg.keep_checkpoints,
+                self.target_identity(),
+            )
         if self.cluster is not None:
             self.cluster.meet(f"checkpoint-{self.state.step}")
 
@@ -321,7 +371,9 @@ class Trainer:
             self.cluster.meet("drafter-saved")
 
 
-def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device, cluster: Cluster | None = None) -> RankResult:
+def train_rank(
+    rank: int, world: int, cfg: TrainConfig, device: torch.device, cluster: Cluster | None = None
+) -> RankResult:
     """`cluster`: with several ranks, where they wait for one another's unequal work (see `Cluster.meet`)."""
     trainer = Trainer.build(rank, world, cfg, device, cluster)
     resumed = trainer.resume()
@@ -337,8 +389,13 @@ def train_rank(rank: int, world: int, cfg: TrainConfig, device: torch.device, cl
     return RankResult(state.step, state.last_loss, tau, rate, str(out), already_complete, trainer.epoch_limit)
 
 
-def init_distributed(rank: int, world: int, device: torch.device, init_method: str | None,
-                     timeout_s: float = TrainConfig.collective_timeout) -> None:
+def init_distributed(
+    rank: int,
+    world: int,
+    device: torch.device,
+    init_method: str | None,
+    timeout_s: float = TrainConfig.collective_timeout,
+) -> None:
     if world == 1 and init_method is None:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"

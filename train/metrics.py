@@ -56,7 +56,9 @@ class MetricsLog:
             if warning:
                 print(f"dflash-train: warning: {warning}", file=sys.stderr)
             self.kept = [r for r in records if r.get("step", 0) <= resume_step]
-            write_bytes_durably(path, "".join(json.dumps(r) + "\n" for r in self.kept).encode())  # a crash keeps the old log
+            write_bytes_durably(
+                path, "".join(json.dumps(r) + "\n" for r in self.kept).encode()
+            )  # a crash keeps the old log
 
     def kept_results(self) -> tuple[float | None, float]:
         """(last tau, last logged tokens/s) of the kept records: what a resumed run that trains no

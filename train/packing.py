@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def split_holdout(num_samples: int, holdout: int, seed: int,
-                  groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def split_holdout(
+    num_samples: int, holdout: int, seed: int, groups: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic (train, held-out) sample ids; held-out samples never enter training.
 
     `groups` (one id per sample; equal ids = same prompt, so the same greedy reply) keeps every
@@ -68,4 +69,3 @@ def rank_slice(packs: list[list[int]], rank: int, world_size: int, packs_per_ste
     steps = len(packs) // (world_size * packs_per_step)
     mine = packs[rank::world_size]
     return mine[: steps * packs_per_step]
-

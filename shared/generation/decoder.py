@@ -31,8 +31,10 @@ class GenerationError(UserError, ValueError):
     """The target or a request cannot be run by the generation engine; the message says why."""
 
 
-_HINT = ("regenerate the replies with vLLM or SGLang and pass the JSONL as --data without --regenerate "
-         "(README: Target-written replies)")
+_HINT = (
+    "regenerate the replies with vLLM or SGLang and pass the JSONL as --data without --regenerate "
+    "(README: Target-written replies)"
+)
 
 
 def check_supported_config(config: Any, max_context: int) -> None:
@@ -40,14 +42,16 @@ def check_supported_config(config: Any, max_context: int) -> None:
     any model is loaded, so a run that cannot regenerate stops at once)."""
     kind = getattr(config, "model_type", type(config).__name__)
     if kind not in SUPPORTED_MODEL_TYPES:
-        raise GenerationError(f"model_type {kind!r}: the generation engine runs "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders; {_HINT}")
+        raise GenerationError(
+            f"model_type {kind!r}: the generation engine runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders; {_HINT}"
+        )
     layer_types = getattr(config, "layer_types", None) or []
     sliding = [t for t in layer_types if t != "full_attention"]
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     if sliding or (kind == "mistral" and window is not None and window < max_context):
-        raise GenerationError(f"{kind}: sliding-window attention layers are not supported by the generation "
-                              f"engine; {_HINT}")
+        raise GenerationError(
+            f"{kind}: sliding-window attention layers are not supported by the generation engine; {_HINT}"
+        )
 
 
 def check_supported(model: nn.Module, max_context: int) -> None:
@@ -55,8 +59,10 @@ def check_supported(model: nn.Module, max_context: int) -> None:
     check_supported_config(text_config(model.config), max_context)
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
     if any(name in rope for name in _POSITION_DEPENDENT_ROPE):
-        raise GenerationError(f"rope type {rope!r} changes with the sequence length, which the "
-                              f"generation engine does not support; {_HINT}")
+        raise GenerationError(
+            f"rope type {rope!r} changes with the sequence length, which the "
+            f"generation engine does not support; {_HINT}"
+        )
 
 
 @dataclass
@@ -69,8 +75,16 @@ class PagedKVCache:
     page_size: int
 
     @classmethod
-    def allocate(cls, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> PagedKVCache:
+    def allocate(
+        cls,
+        layers: int,
+        pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> PagedKVCache:
         shape = (pages, page_size, kv_heads, head_dim)
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -145,8 +159,9 @@ class PagedDecoder:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
 
-    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cache_index: torch.Tensor,
-                lengths: list[int]) -> torch.Tensor:
+    def prefill(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache_index: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
         """Prompts packed back to back (`tokens`, `positions`, `cache_index` of [T]; `lengths` the
         prompt lengths, summing to T): writes their keys/values, returns the float32 logits [n, vocab]
         after each prompt's last token. Attention is causal within each prompt only."""
@@ -162,8 +177,12 @@ class PagedDecoder:
             out = torch.empty_like(q)
             for start, stop in zip(bounds[:-1], bounds[1:]):
                 out[:, start:stop] = F.scaled_dot_product_attention(
-                    q[None, :, start:stop], _repeat_kv(k[:, start:stop], self.groups)[None],
-                    _repeat_kv(v[:, start:stop], self.groups)[None], is_causal=True, scale=self.scaling)[0]
+                    q[None, :, start:stop],
+                    _repeat_kv(k[:, start:stop], self.groups)[None],
+                    _repeat_kv(v[:, start:stop], self.groups)[None],
+                    is_causal=True,
+                    scale=self.scaling,
+                )[0]
             hidden = self._layer_output(layer, hidden, out.transpose(0, 1).reshape(len(tokens), -1))
         last = torch.tensor([b - 1 for b in bounds[1:]], device=tokens.device)
         return self._logits(hidden[last])
@@ -180,7 +199,9 @@ class PagedDecoder:
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, hidden, cos, sin, self.head_dim)
             self._store(i, cache_index, k, v)
-            out = paged_decode_attention(q, self.cache.keys[i], self.cache.values[i], block_table, lengths, self.scaling)
+            out = paged_decode_attention(
+                q, self.cache.keys[i], self.cache.values[i], block_table, lengths, self.scaling
+            )
             hidden = self._layer_output(layer, hidden, out.reshape(len(tokens), -1))
         return self._logits(hidden)
 

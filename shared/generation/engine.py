@@ -48,7 +48,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_request_tokens < 2 or self.page_size < 1 or self.prefill_tokens < 1:
-            raise ValueError("EngineSettings: max_batch, page_size, prefill_tokens must be >= 1, max_request_tokens >= 2")
+            raise ValueError(
+                "EngineSettings: max_batch, page_size, prefill_tokens must be >= 1, max_request_tokens >= 2"
+            )
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,14 @@ def _buckets(max_batch: int) -> list[int]:
 class GenerationEngine:
     """See the module doc. Single-threaded by design: `step()` is called from one thread."""
 
-    def __init__(self, model: nn.Module, *, stop_ids: Iterable[int], sampling: SamplingParams,
-                 settings: EngineSettings = EngineSettings()):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        stop_ids: Iterable[int],
+        sampling: SamplingParams,
+        settings: EngineSettings = EngineSettings(),
+    ):
         check_supported(model, settings.max_request_tokens)
         self.settings = settings
         self.sampling = sampling
@@ -100,9 +108,11 @@ class GenerationEngine:
         self.pages_per_request = pages_for(settings.max_request_tokens, settings.page_size)
         pages = settings.num_pages or self._pages_that_fit(config, layers, kv_heads, head_dim, dtype)
         if pages < self.pages_per_request + 1:
-            raise GenerationError(f"the KV cache holds {pages - 1} pages of {settings.page_size} tokens, fewer than one "
-                                  f"request of {settings.max_request_tokens} tokens needs; lower --max-length or "
-                                  "--max-new-tokens, or free device memory")
+            raise GenerationError(
+                f"the KV cache holds {pages - 1} pages of {settings.page_size} tokens, fewer than one "
+                f"request of {settings.max_request_tokens} tokens needs; lower --max-length or "
+                "--max-new-tokens, or free device memory"
+            )
         cache = PagedKVCache.allocate(layers, pages, settings.page_size, kv_heads, head_dim, dtype, self.device)
         compiled = settings.compile if settings.compile is not None else self.device.type == "cuda"
         self.decoder = PagedDecoder(model, cache, compile=compiled)
@@ -124,10 +134,20 @@ class GenerationEngine:
             raise GenerationError("cuda_graphs needs a CUDA device")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._rows_in_graph: dict[int, list[int]] = {}
-        self.stats = {"decode_steps": 0, "decode_rows": 0, "kv_tokens_read": 0, "prefill_tokens": 0,
-                      "prefills": 0, "generated_tokens": 0, "requests": 0, "prefill_seconds": 0.0,
-                      "decode_seconds": 0.0, "warmup_seconds": 0.0, "kv_cache_pages": pages,
-                      "page_size": settings.page_size}
+        self.stats = {
+            "decode_steps": 0,
+            "decode_rows": 0,
+            "kv_tokens_read": 0,
+            "prefill_tokens": 0,
+            "prefills": 0,
+            "generated_tokens": 0,
+            "requests": 0,
+            "prefill_seconds": 0.0,
+            "decode_seconds": 0.0,
+            "warmup_seconds": 0.0,
+            "kv_cache_pages": pages,
+            "page_size": settings.page_size,
+        }
         if use_graphs:
             self._capture_graphs()
 
@@ -135,7 +155,9 @@ class GenerationEngine:
         """Device memory to leave beside the cache: twice the estimated peak of one prefill (hidden-
         size and MLP-size activations of `prefill_tokens`) plus the decode logits and sampling buffers,
         so the allocator never has to free and retry mid-prefill, which slows prefill severalfold."""
-        prefill = self.settings.prefill_tokens * (10 * config.hidden_size + 6 * config.intermediate_size) * dtype.itemsize
+        prefill = (
+            self.settings.prefill_tokens * (10 * config.hidden_size + 6 * config.intermediate_size) * dtype.itemsize
+        )
         logits = self.settings.max_batch * config.vocab_size * 16  # float32 logits, sorted copy, cumsum
         return 2 * (prefill + logits) + WORKSPACE_MARGIN_BYTES
 
@@ -157,8 +179,10 @@ class GenerationEngine:
         if not request.prompt or request.max_new_tokens < 1:
             raise GenerationError(f"request {request_id!r}: empty prompt or max_new_tokens < 1")
         if need > self.settings.max_request_tokens:
-            raise GenerationError(f"request {request_id!r}: prompt {len(request.prompt)} + {request.max_new_tokens} new "
-                                  f"tokens exceed the engine's {self.settings.max_request_tokens} tokens per request")
+            raise GenerationError(
+                f"request {request_id!r}: prompt {len(request.prompt)} + {request.max_new_tokens} new "
+                f"tokens exceed the engine's {self.settings.max_request_tokens} tokens per request"
+            )
         self._queue.append((request_id, request))
 
     @property
@@ -207,8 +231,11 @@ class GenerationEngine:
                 if too_long or pages > len(self._free_pages):
                     break
                 self._queue.popleft()
-                batch.append(_Running(request_id, request, self._free_slots.pop(),
-                                      [self._free_pages.pop() for _ in range(pages)]))
+                batch.append(
+                    _Running(
+                        request_id, request, self._free_slots.pop(), [self._free_pages.pop() for _ in range(pages)]
+                    )
+                )
                 tokens += len(request.prompt)
             if not batch:
                 if not self._running:  # nothing will ever free pages: the pool is too small
@@ -233,8 +260,9 @@ class GenerationEngine:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(self.device)
 
-        logits = self.decoder.prefill(as_tensor(ids), as_tensor(positions), as_tensor(cache_index),
-                                      [len(r.request.prompt) for r in batch])
+        logits = self.decoder.prefill(
+            as_tensor(ids), as_tensor(positions), as_tensor(cache_index), [len(r.request.prompt) for r in batch]
+        )
         slots = as_tensor([r.slot for r in batch])
         keys = as_tensor([r.request.key for r in batch])
         first = choose_tokens(logits, keys, torch.zeros_like(keys), self.sampling)

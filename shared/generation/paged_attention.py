@@ -47,12 +47,15 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-           lengths: torch.Tensor) -> None:
+def _check(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor
+) -> None:
     if q.dim() != 3 or k_pages.dim() != 4 or v_pages.shape != k_pages.shape:
-        raise ValueError(f"paged_decode_attention: expected q [b, heads, head_dim] and k_pages == v_pages "
-                         f"[num_pages, page_size, kv_heads, head_dim], got q {tuple(q.shape)}, "
-                         f"k_pages {tuple(k_pages.shape)}, v_pages {tuple(v_pages.shape)}")
+        raise ValueError(
+            f"paged_decode_attention: expected q [b, heads, head_dim] and k_pages == v_pages "
+            f"[num_pages, page_size, kv_heads, head_dim], got q {tuple(q.shape)}, "
+            f"k_pages {tuple(k_pages.shape)}, v_pages {tuple(v_pages.shape)}"
+        )
     b, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     if k_pages.shape[3] != head_dim:
@@ -62,15 +65,27 @@ def _check(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_
     if not _is_pow2(head_dim) or head_dim < 16:
         raise ValueError(f"paged_decode_attention: head_dim must be a power of two >= 16, got {head_dim}")
     if block_table.dim() != 2 or block_table.shape[0] != b or lengths.shape != (b,):
-        raise ValueError(f"paged_decode_attention: expected block_table [b={b}, max_pages] and lengths [b], got "
-                         f"{tuple(block_table.shape)} and {tuple(lengths.shape)}")
+        raise ValueError(
+            f"paged_decode_attention: expected block_table [b={b}, max_pages] and lengths [b], got "
+            f"{tuple(block_table.shape)} and {tuple(lengths.shape)}"
+        )
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"paged_decode_attention: q, k_pages, v_pages must share a dtype, got "
-                         f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+        raise ValueError(
+            f"paged_decode_attention: q, k_pages, v_pages must share a dtype, got "
+            f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+        )
 
 
-def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                           lengths: torch.Tensor, scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale) v over each row's first `lengths[r]` cached tokens.
 
     q [b, num_heads, head_dim]; k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim] (q's
@@ -87,8 +102,14 @@ def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     return out
 
 
-def paged_decode_attention_reference(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                                     block_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The same attention in plain torch, on any device, as HF's sdpa attention computes it.
 
     Gathers all max_pages*page_size positions of every row through the block table, repeats the kv
@@ -153,11 +174,20 @@ def _default_warps(page_size: int, head_dim: int) -> int:
     return 4 if page_size * head_dim <= 64 * 128 else 8
 
 
-def _paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                                   block_table: torch.Tensor, lengths: torch.Tensor, scale: float, *,
-                                   out: torch.Tensor | None = None, num_splits: int | None = None,
-                                   num_warps: int | None = None, num_stages: int | None = None,
-                                   maxnreg: int | None = None) -> torch.Tensor:
+def _paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    maxnreg: int | None = None,
+) -> torch.Tensor:
     """The Triton launch (also runs on CPU tensors under TRITON_INTERPRET=1). `num_splits` None
     picks the split-K factor from shapes, `num_stages`/`num_warps` None their defaults below;
     `maxnreg` caps registers per thread (more programs per SM). The knobs are for the benchmark and
@@ -176,8 +206,10 @@ def _paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pag
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"paged_decode_attention: out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        raise ValueError(
+            f"paged_decode_attention: out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
     if b == 0 or max_pages == 0:
         return out
     if num_stages is None:
@@ -185,9 +217,17 @@ def _paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pag
     if num_warps is None:
         num_warps = _default_warps(page_size, head_dim)
     kernels = _kernels()
-    meta = dict(GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), PAGE=page_size, HEAD_DIM=head_dim,
-                IEEE=q.dtype == torch.float32, CHUNK=min(_CHUNK, _next_pow2(-(-max_pages // splits))),
-                num_warps=num_warps, num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    meta = dict(
+        GROUP=group,
+        GROUP_PAD=max(16, _next_pow2(group)),
+        PAGE=page_size,
+        HEAD_DIM=head_dim,
+        IEEE=q.dtype == torch.float32,
+        CHUNK=min(_CHUNK, _next_pow2(-(-max_pages // splits))),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    )
     args = (q, k_pages, v_pages, block_table, lengths)
     strides = (*q.stride(), *k_pages.stride(), *v_pages.stride(), *block_table.stride())
     qk_scale = float(scale) * _LOG2E
@@ -196,14 +236,15 @@ def _paged_decode_attention_triton(q: torch.Tensor, k_pages: torch.Tensor, v_pag
     with guard:
         if splits == 1:
             kernels.attn[(b, kv_heads, 1)](
-                *args, out, out, out, qk_scale, max_pages, 1, *strides, *out.stride(), 0, 0, 0, 0,
-                SPLIT=False, **meta)
+                *args, out, out, out, qk_scale, max_pages, 1, *strides, *out.stride(), 0, 0, 0, 0, SPLIT=False, **meta
+            )
             return out
         return _launch_split(kernels, meta, args, strides, out, qk_scale, splits, max_pages)
 
 
-def _launch_split(kernels, meta: dict, args: tuple, strides: tuple, out: torch.Tensor, qk_scale: float, splits: int,
-                  max_pages: int) -> torch.Tensor:
+def _launch_split(
+    kernels, meta: dict, args: tuple, strides: tuple, out: torch.Tensor, qk_scale: float, splits: int, max_pages: int
+) -> torch.Tensor:
     q = args[0]
     b, heads, head_dim = q.shape
     kv_heads = args[1].shape[2]
@@ -212,11 +253,35 @@ def _launch_split(kernels, meta: dict, args: tuple, strides: tuple, out: torch.T
     m = torch.empty((b, heads, splits), device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)  # noqa: E741 - the running sum, as flash attention names it
     kernels.attn[(b, kv_heads, splits)](
-        *args, acc, m, l, qk_scale, max_pages, splits, *strides,
-        acc.stride(0), acc.stride(1), acc.stride(3), acc.stride(2), *m.stride(), SPLIT=True, **meta)
+        *args,
+        acc,
+        m,
+        l,
+        qk_scale,
+        max_pages,
+        splits,
+        *strides,
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(3),
+        acc.stride(2),
+        *m.stride(),
+        SPLIT=True,
+        **meta,
+    )
     kernels.reduce[(b, heads)](
-        acc, m, l, out, splits, *acc.stride(), *m.stride(), *out.stride(),
-        HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(splits), num_warps=4)
+        acc,
+        m,
+        l,
+        out,
+        splits,
+        *acc.stride(),
+        *m.stride(),
+        *out.stride(),
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=_next_pow2(splits),
+        num_warps=4,
+    )
     return out
 
 
@@ -235,15 +300,44 @@ def _kernels():
 
     @triton.jit
     def paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, o_ptr, m_ptr, l_ptr, qk_scale, max_pages, num_splits,
-        s_qb, s_qh, s_qd,
-        s_kp, s_kt, s_kh, s_kd,
-        s_vp, s_vt, s_vh, s_vd,
-        s_tb, s_tp,
-        s_ob, s_oh, s_od, s_os,
-        s_mb, s_mh, s_ms,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        IEEE: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        len_ptr,
+        o_ptr,
+        m_ptr,
+        l_ptr,
+        qk_scale,
+        max_pages,
+        num_splits,
+        s_qb,
+        s_qh,
+        s_qd,
+        s_kp,
+        s_kt,
+        s_kh,
+        s_kd,
+        s_vp,
+        s_vt,
+        s_vh,
+        s_vd,
+        s_tb,
+        s_tp,
+        s_ob,
+        s_oh,
+        s_od,
+        s_os,
+        s_mb,
+        s_mh,
+        s_ms,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        PAGE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        IEEE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):
         """Program (row, kv head, split): the GROUP query heads of one kv head as the rows of one
         tile, over the pages [first, last) of the row; online softmax in float32 (base 2)."""
@@ -266,8 +360,9 @@ def _kernels():
             first = 0
             last = n_pages
 
-        q = tl.load(q_ptr + row.to(tl.int64) * s_qb + head[:, None] * s_qh + d[None, :] * s_qd,
-                    mask=g_ok[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + row.to(tl.int64) * s_qb + head[:, None] * s_qh + d[None, :] * s_qd, mask=g_ok[:, None], other=0.0
+        )
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -313,11 +408,23 @@ def _kernels():
 
     @triton.jit
     def split_reduce_kernel(
-        acc_ptr, m_ptr, l_ptr, o_ptr, num_splits,
-        s_ab, s_ah, s_as, s_ad,
-        s_mb, s_mh, s_ms,
-        s_ob, s_oh, s_od,
-        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        acc_ptr,
+        m_ptr,
+        l_ptr,
+        o_ptr,
+        num_splits,
+        s_ab,
+        s_ah,
+        s_as,
+        s_ad,
+        s_mb,
+        s_mh,
+        s_ms,
+        s_ob,
+        s_oh,
+        s_od,
+        HEAD_DIM: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
     ):
         """Program (row, head): combines the splits' partials (split 0 is never empty)."""
         row = tl.program_id(0).to(tl.int64)
@@ -328,8 +435,9 @@ def _kernels():
         ml = row * s_mb + head * s_mh + sp * s_ms
         m = tl.load(m_ptr + ml, mask=sp_ok, other=float("-inf"))
         l = tl.load(l_ptr + ml, mask=sp_ok, other=0.0)  # noqa: E741 - the running sum
-        acc = tl.load(acc_ptr + row * s_ab + head * s_ah + sp[:, None] * s_as + d[None, :] * s_ad,
-                      mask=sp_ok[:, None], other=0.0)
+        acc = tl.load(
+            acc_ptr + row * s_ab + head * s_ah + sp[:, None] * s_as + d[None, :] * s_ad, mask=sp_ok[:, None], other=0.0
+        )
         m_all = tl.max(m, 0)
         w = tl.exp2(m - m_all)  # empty splits: exp2(-inf) = 0
         out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)

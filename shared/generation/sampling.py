@@ -88,7 +88,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
-def choose_tokens(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def choose_tokens(
+    logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
     """The next token of each row ([b] int64) from logits [b, vocab]; row r's draw depends on its
     logits, keys[r] and steps[r] only. No host synchronisation (CUDA-graph safe)."""
     if params.greedy:

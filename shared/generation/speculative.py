@@ -52,8 +52,9 @@ def _next_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch
     return int(logits.argmax() if sampling.greedy else _draw(filtered_probs(logits, sampling), generator))
 
 
-def _speculative_sample(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                        generator: torch.Generator | None) -> tuple[int, int]:
+def _speculative_sample(
+    drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
     """(accepted drafts, the token after them) by the rejection rule; `drafts` [n] were drawn from
     `q` [n, V], `p` [n+1, V] are the target's filtered probabilities after each block position."""
     n = len(drafts)
@@ -93,8 +94,14 @@ def _truncate_cache(cache: DynamicCache, length: int) -> None:
 
 
 @torch.inference_mode()
-def target_generate(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, stop_ids: set[int],
-                    sampling: SamplingParams = GREEDY, generator: torch.Generator | None = None) -> Generation:
+def target_generate(
+    target: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+) -> Generation:
     """Target-only decoding with a KV cache: the baseline and the reference output."""
     device = prompt.device
     _sync(device)
@@ -145,8 +152,13 @@ def dflash_generate(
         block = torch.full((1, size), mask_id, dtype=torch.long, device=device)
         block[0, 0] = tokens[-1]
         positions = torch.arange(seen, seen + size, device=device)[None]
-        hidden = drafter.forward_step(features.to(drafter.fc.weight.dtype), feature_positions,
-                                      embed(block).to(drafter.fc.weight.dtype) * scale, positions, draft_cache)
+        hidden = drafter.forward_step(
+            features.to(drafter.fc.weight.dtype),
+            feature_positions,
+            embed(block).to(drafter.fc.weight.dtype) * scale,
+            positions,
+            draft_cache,
+        )
         draft_logits = drafter.compute_logits(hidden[:, 1:], lm_head.to(hidden.dtype))[0]
         if sampling.greedy:
             block[0, 1:] = draft_logits.argmax(-1)

@@ -91,8 +91,12 @@ def dflash_mask_mod(
 
 
 def _check_shapes(anchor_pos, block_doc, block_valid, context_doc) -> None:
-    if not (anchor_pos.shape == block_doc.shape == block_valid.shape) or anchor_pos.dim() != 2 \
-            or context_doc.dim() != 2 or context_doc.shape[0] != anchor_pos.shape[0]:
+    if (
+        not (anchor_pos.shape == block_doc.shape == block_valid.shape)
+        or anchor_pos.dim() != 2
+        or context_doc.dim() != 2
+        or context_doc.shape[0] != anchor_pos.shape[0]
+    ):
         raise ValueError(
             f"mask inputs must be anchor_pos/block_doc/block_valid [batch, N] and context_doc [batch, S], got "
             f"{[tuple(t.shape) for t in (anchor_pos, block_doc, block_valid, context_doc)]}"
@@ -159,7 +163,9 @@ def dense_mask(
     return (torch.cat([context, blocks], dim=-1) & rows_valid)[:, None]
 
 
-def sdpa_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def sdpa_dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """SDPA with an explicit bool mask; fully masked rows give zeros (and zero gradients), not NaN.
 
     Such rows are unmasked for the kernel (so softmax stays finite in forward and backward) and
@@ -192,7 +198,9 @@ def _allow_cpu_backward():
         _flex_module._validate_device = original
 
 
-def flex_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, scale: float) -> torch.Tensor:
+def flex_attention_eager(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, scale: float
+) -> torch.Tensor:
     """Uncompiled flex: the O(S^2) reference, with forward and backward on CPU and GPU."""
     with _allow_cpu_backward(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -232,8 +240,11 @@ def _step_down(exc: BaseException) -> None:
     if _fallback_rung + 1 >= len(KERNEL_OPTION_FALLBACKS):
         raise exc
     _fallback_rung += 1
-    log.warning("flex_attention ran out of GPU resources (%s); retrying with kernel_options=%s",
-                str(exc).splitlines()[0][:200], KERNEL_OPTION_FALLBACKS[_fallback_rung])
+    log.warning(
+        "flex_attention ran out of GPU resources (%s); retrying with kernel_options=%s",
+        str(exc).splitlines()[0][:200],
+        KERNEL_OPTION_FALLBACKS[_fallback_rung],
+    )
 
 
 def flex_attention_compiled(
@@ -257,7 +268,9 @@ def flex_attention_compiled(
             _step_down(exc)
 
 
-def calibrate_kernel_options(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, scale: float) -> dict:
+def calibrate_kernel_options(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, scale: float
+) -> dict:
     """Run forward and backward once at the real shapes, stepping down on resource errors; pin and
     return the options that worked. Call before training (backward failures cannot be retried)."""
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))

@@ -70,8 +70,10 @@ class DFlashConfig:
             self.rope_theta = float(self.rope_parameters.setdefault("rope_theta", float(self.rope_theta)))
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty")
         if self.block_size < 2:
@@ -97,35 +99,37 @@ class DFlashConfig:
         if self.final_logit_softcapping is not None:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
         out: dict[str, Any] = dict(self.extra)
-        out.update({
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "is_causal": False,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": copy.deepcopy(self.rope_parameters),
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,  # older reference versions read it here, newer in dflash_config
-            "layer_types": ["sliding_attention" if window else "full_attention"] * self.num_hidden_layers,
-            "use_sliding_window": bool(window),
-            "sliding_window": window,
-            "max_window_layers": self.num_hidden_layers,
-            "tie_word_embeddings": False,
-            "use_cache": False,
-            "initializer_range": 0.02,
-            "dflash_config": dflash,
-        })
+        out.update(
+            {
+                "architectures": ["DFlashDraftModel"],
+                "model_type": "qwen3",
+                "is_causal": False,
+                "attention_bias": False,
+                "attention_dropout": 0.0,
+                "hidden_act": "silu",
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim,
+                "rms_norm_eps": self.rms_norm_eps,
+                "rope_theta": self.rope_theta,
+                "rope_parameters": copy.deepcopy(self.rope_parameters),
+                "max_position_embeddings": self.max_position_embeddings,
+                "vocab_size": self.vocab_size,
+                "num_target_layers": self.num_target_layers,
+                "block_size": self.block_size,  # older reference versions read it here, newer in dflash_config
+                "layer_types": ["sliding_attention" if window else "full_attention"] * self.num_hidden_layers,
+                "use_sliding_window": bool(window),
+                "sliding_window": window,
+                "max_window_layers": self.num_hidden_layers,
+                "tie_word_embeddings": False,
+                "use_cache": False,
+                "initializer_range": 0.02,
+                "dflash_config": dflash,
+            }
+        )
         return out
 
     @classmethod
@@ -146,9 +150,22 @@ class DFlashConfig:
         if layer_types and "sliding_attention" not in layer_types:
             window = None
         known = {f.name for f in fields(cls)} | {
-            "architectures", "model_type", "is_causal", "attention_dropout", "hidden_act", "layer_types",
-            "use_sliding_window", "max_window_layers", "tie_word_embeddings", "use_cache", "initializer_range",
-            "dflash_config", "dtype", "torch_dtype", "transformers_version", "rope_scaling",
+            "architectures",
+            "model_type",
+            "is_causal",
+            "attention_dropout",
+            "hidden_act",
+            "layer_types",
+            "use_sliding_window",
+            "max_window_layers",
+            "tie_word_embeddings",
+            "use_cache",
+            "initializer_range",
+            "dflash_config",
+            "dtype",
+            "torch_dtype",
+            "transformers_version",
+            "rope_scaling",
         }
         return cls(
             hidden_size=d["hidden_size"],

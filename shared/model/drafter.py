@@ -121,7 +121,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(
+        self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of the projected context feature [b, S, H] -> 2 x [b, kv_heads, S, d]."""
         return self._kv(context, cos, sin)
 
@@ -188,7 +190,9 @@ class DFlashDrafter(nn.Module):
     passed to `forward` must fit: a BlockMask for the flex backends, a dense mask for SDPA (a dense
     mask is always run with SDPA)."""
 
-    def __init__(self, config: DFlashConfig, attention_backend: str = "flex_compiled", kernel_options: dict | None = None):
+    def __init__(
+        self, config: DFlashConfig, attention_backend: str = "flex_compiled", kernel_options: dict | None = None
+    ):
         super().__init__()
         self.config = config
         self.attention_backend = attention_backend
@@ -224,12 +228,16 @@ class DFlashDrafter(nn.Module):
         backend = self._backend
         if isinstance(mask, torch.Tensor):
             if mask.dtype != torch.bool or mask.dim() != 4:
-                raise TypeError(f"dense attention mask must be bool [b, 1, Q, S+Q], got {mask.dtype} {tuple(mask.shape)}")
+                raise TypeError(
+                    f"dense attention mask must be bool [b, 1, Q, S+Q], got {mask.dtype} {tuple(mask.shape)}"
+                )
             return lambda q, k, v, scale: attn.sdpa_dense_attention(q, k, v, mask, scale)
         if not isinstance(mask, BlockMask):
             raise TypeError(f"mask must be a flex BlockMask or a dense bool tensor, got {type(mask).__name__}")
         if backend == "sdpa_dense":
-            raise TypeError("attention_backend 'sdpa_dense' needs a dense bool mask [b, 1, Q, S+Q] (attention.dense_mask)")
+            raise TypeError(
+                "attention_backend 'sdpa_dense' needs a dense bool mask [b, 1, Q, S+Q] (attention.dense_mask)"
+            )
         if backend == "flex_eager":
             return lambda q, k, v, scale: attn.flex_attention_eager(q, k, v, mask, scale)
         return lambda q, k, v, scale: attn.flex_attention_compiled(q, k, v, mask, scale, self.kernel_options)
@@ -258,7 +266,9 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Training forward: [b, S, n_layers*H], [b, Q, H], [b, S], [b, Q], mask -> [b, Q, H]."""
         if context_hidden.shape[-1] != self.config.context_width:
-            raise ValueError(f"context_hidden width {context_hidden.shape[-1]} != n_layers*hidden {self.config.context_width}")
+            raise ValueError(
+                f"context_hidden width {context_hidden.shape[-1]} != n_layers*hidden {self.config.context_width}"
+            )
         context = self.project_context(context_hidden)
         return self._run_layers(block_embeds, context, context_positions, block_positions, self._attend(mask), None)
 
@@ -283,7 +293,9 @@ class DFlashDrafter(nn.Module):
             mask = ((block_positions[:, :, None] - keys[:, None, :]).abs() < window)[:, None]
 
         def attend(q, k, v, scale):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
 
         out = self._run_layers(block_embeds, context, new_context_positions, block_positions, attend, cache)
         cache.positions = key_positions
@@ -291,8 +303,10 @@ class DFlashDrafter(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         return compute_logits(
-            hidden, lm_head_weight,
-            output_multiplier=self.config.output_multiplier, softcap=self.config.final_logit_softcapping,
+            hidden,
+            lm_head_weight,
+            output_multiplier=self.config.output_multiplier,
+            softcap=self.config.final_logit_softcapping,
         )
 
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
@@ -341,7 +355,9 @@ class DFlashDrafter(nn.Module):
             raise DrafterError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
         wrong = [k for k, v in model.state_dict().items() if v.shape != state[k].shape]
         if wrong:
-            raise DrafterError(f"{weights_path}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
-                               f"{config_path.name} implies {tuple(model.state_dict()[wrong[0]].shape)}")
+            raise DrafterError(
+                f"{weights_path}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                f"{config_path.name} implies {tuple(model.state_dict()[wrong[0]].shape)}"
+            )
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype)

@@ -80,7 +80,9 @@ def dflash_loss(
         raise ValueError("lm_head_weight must be frozen (requires_grad=False)")
     batch, Q, H = hidden.shape
     if labels.shape != (batch, Q) or Q % block_size:
-        raise ValueError(f"labels {tuple(labels.shape)} must be [{batch}, {Q}] with {Q} a multiple of block_size {block_size}")
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must be [{batch}, {Q}] with {Q} a multiple of block_size {block_size}"
+        )
     device = hidden.device
     position = (torch.arange(Q, device=device) % block_size).repeat(batch)
     flat_labels = labels.reshape(-1).to(device)
@@ -94,8 +96,14 @@ def dflash_loss(
     for start in range(0, len(rows), chunk_tokens):
         part = slice(start, start + chunk_tokens)
         ce_sum, pred = checkpoint(
-            _chunk_loss, row_hidden[part], row_labels[part], row_weights[part], lm_head_weight,
-            output_multiplier, softcap, use_reentrant=False,
+            _chunk_loss,
+            row_hidden[part],
+            row_labels[part],
+            row_weights[part],
+            lm_head_weight,
+            output_multiplier,
+            softcap,
+            use_reentrant=False,
         )
         total = total + ce_sum
         preds.append(pred)

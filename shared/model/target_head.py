@@ -42,8 +42,13 @@ class TargetHead(nn.Module):
     """Frozen target pieces the drafter reuses: input embedding, LM head (may be tied: the same
     tensor), final norm. Buffers, never trained, never saved with the drafter."""
 
-    def __init__(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None,
-                 norm: torch.Tensor | None = None, norm_eps: float = 1e-6):
+    def __init__(
+        self,
+        embed_tokens: torch.Tensor,
+        lm_head: torch.Tensor | None = None,
+        norm: torch.Tensor | None = None,
+        norm_eps: float = 1e-6,
+    ):
         super().__init__()
         self.tied = lm_head is None or lm_head is embed_tokens
         self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
@@ -94,10 +99,14 @@ class TargetHead(nn.Module):
         return file
 
     @classmethod
-    def load(cls, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> TargetHead:
+    def load(
+        cls, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    ) -> TargetHead:
         file = cls._file(path)
         if not file.exists():
-            raise TargetHeadMissing(f"{file}: target head not found (stage one writes it to the store's target/ folder)")
+            raise TargetHeadMissing(
+                f"{file}: target head not found (stage one writes it to the store's target/ folder)"
+            )
         with safe_open(str(file), framework="pt") as f:
             meta = f.metadata() or {}
             names = set(f.keys())
@@ -109,4 +118,6 @@ class TargetHead(nn.Module):
         if dtype is not None:
             t = {k: v.to(dtype) for k, v in t.items()}
         embed = t["embed_tokens.weight"]
-        return cls(embed, None if tied else t["lm_head.weight"], t.get("norm.weight"), float(meta.get("norm_eps", 1e-6)))
+        return cls(
+            embed, None if tied else t["lm_head.weight"], t.get("norm.weight"), float(meta.get("norm_eps", 1e-6))
+        )

@@ -45,8 +45,10 @@ def torchrun_refusal(gpus: tuple[int, ...], workers: int) -> str | None:
     """Why `--gpus`/`--workers` cannot apply under torchrun (it starts the processes); None if unused."""
     if not gpus and workers == 1:
         return None
-    return (f"{'--gpus' if gpus else '--workers'} cannot be used under torchrun: torchrun owns the processes "
-            "(one per --nproc-per-node; GPU = LOCAL_RANK, choose GPUs with CUDA_VISIBLE_DEVICES)")
+    return (
+        f"{'--gpus' if gpus else '--workers'} cannot be used under torchrun: torchrun owns the processes "
+        "(one per --nproc-per-node; GPU = LOCAL_RANK, choose GPUs with CUDA_VISIBLE_DEVICES)"
+    )
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -92,8 +94,13 @@ class Cluster:
 
     def _failed_ranks(self) -> list[int]:
         try:
-            return [r for r in range(self.world) if r != self.rank and self.store.check([f"{_KEY}left/{r}"])
-                    and self.store.get(f"{_KEY}left/{r}") == b"error"]
+            return [
+                r
+                for r in range(self.world)
+                if r != self.rank
+                and self.store.check([f"{_KEY}left/{r}"])
+                and self.store.get(f"{_KEY}left/{r}") == b"error"
+            ]
         except Exception:  # noqa: BLE001
             return []
 
@@ -123,16 +130,21 @@ class Cluster:
                 for r, count in zip(others, store.multi_get(keys)):
                     if count != last[r][0]:
                         last[r] = (count, now)
-                silent = [r for r in others if now - last[r][1] > self.timeout_s
-                          and not store.check([f"{_KEY}left/{r}"])]
+                silent = [
+                    r for r in others if now - last[r][1] > self.timeout_s and not store.check([f"{_KEY}left/{r}"])
+                ]
             except Exception:  # noqa: BLE001 - the store itself did not answer
                 if self._stop.is_set():
                     return
-                self._die(f"the c10d store ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}, "
-                          f"kept by the node of rank 0) did not answer for {self.timeout_s:g} s")
+                self._die(
+                    f"the c10d store ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}, "
+                    f"kept by the node of rank 0) did not answer for {self.timeout_s:g} s"
+                )
             if silent and not self._stop.is_set():
-                self._die(f"{_ranks(silent)} did not answer for {self.timeout_s:g} s "
-                          "(node frozen, killed or cut off from this one)")
+                self._die(
+                    f"{_ranks(silent)} did not answer for {self.timeout_s:g} s "
+                    "(node frozen, killed or cut off from this one)"
+                )
 
     def meet(self, name: str) -> None:
         """Wait until every rank reached the meeting point `name` (unique per meeting), however long
@@ -166,4 +178,5 @@ class Cluster:
         if blind:
             raise ClusterError(
                 f"{option} {folder}: {_ranks(blind)} cannot see the files rank 0 writes there; "
-                f"{option} must be one folder shared by every node, at the same path on each")
+                f"{option} must be one folder shared by every node, at the same path on each"
+            )

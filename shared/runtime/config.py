@@ -52,7 +52,9 @@ def config_option(section: str):
             known = {p.name for p in ctx.command.params}
             unknown = sorted(set(values) - known)
             if unknown:
-                raise click.BadParameter(f"{value}: unknown keys in [{section}]: {', '.join(unknown)}", param_hint="--config")
+                raise click.BadParameter(
+                    f"{value}: unknown keys in [{section}]: {', '.join(unknown)}", param_hint="--config"
+                )
             ctx.default_map = {**(ctx.default_map or {}), **values}
         return value
 
@@ -128,13 +130,29 @@ class Cli:
         return base if base in (int, float) else None
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str | None = None, flag: str | None = None,
-           type: click.ParamType | None = None, range: tuple[float | None, float | None] | None = None,
-           min_open: bool = False, choices: tuple[str, ...] | None = None, multiple: bool = False,
-           settings: type | None = None) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str | None = None,
+    flag: str | None = None,
+    type: click.ParamType | None = None,
+    range: tuple[float | None, float | None] | None = None,
+    min_open: bool = False,
+    choices: tuple[str, ...] | None = None,
+    multiple: bool = False,
+    settings: type | None = None,
+) -> Any:
     """A dataclass field that is also a command-line option (no default: a required option)."""
-    cli = Cli(help=help, flag=flag, type=type, range=range, min_open=min_open, choices=choices, multiple=multiple,
-              settings=settings)
+    cli = Cli(
+        help=help,
+        flag=flag,
+        type=type,
+        range=range,
+        min_open=min_open,
+        choices=choices,
+        multiple=multiple,
+        settings=settings,
+    )
     return dataclasses.field(default=default, metadata={"cli": cli})
 
 

@@ -43,7 +43,9 @@ def resolve_device(cli: str, device: str) -> str:
     try:
         device = pick_device(device)
     except DeviceUnavailable as exc:
-        raise click.BadParameter(f"{device}: no CUDA device is available (use auto or cpu)", param_hint="'--device'") from exc
+        raise click.BadParameter(
+            f"{device}: no CUDA device is available (use auto or cpu)", param_hint="'--device'"
+        ) from exc
     if os.environ.get("RANK", "0") == "0":
         click.echo(f"{cli}: running on {device}" + ("" if has_cuda else " (no CUDA device)"), err=True)
     return device

@@ -42,7 +42,9 @@ def _child(rank: int, fn: Callable[..., Any], args: tuple, results) -> None:
         raise SystemExit(1) from None
 
 
-def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), env: dict[str, str] | None = None) -> list[Any]:
+def spawn_ranks(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), env: dict[str, str] | None = None
+) -> list[Any]:
     """Run `fn(rank, *args)` in `world_size` spawned processes; their results in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -64,7 +66,9 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), env: 
         try:
             rank, status, payload = results.get(timeout=1.0)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in done and not p.is_alive() and p.exitcode not in (None, 0)]
+            dead = [
+                r for r, p in enumerate(procs) if r not in done and not p.is_alive() and p.exitcode not in (None, 0)
+            ]
             if dead:
                 error = f"worker rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
             continue

@@ -24,6 +24,8 @@ _BLOSC_SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 # one GPU's ~1.3 GB/s of states at the default codec (0.6-1.5 GB/s per thread) with room to spare.
 CODEC_THREADS = min(8, os.cpu_count() or 1)
 _codec_pool: ThreadPoolExecutor | None = None
+
+
 def codec_pool() -> ThreadPoolExecutor:
     """This process's chunk-compression threads (created on first use)."""
     global _codec_pool

@@ -33,8 +33,22 @@ from dflash_pipeline.shared.store.progress import ShardEntry, finished_shards
 STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-__all__ = ["Manifest", "ManifestError", "STORAGE_DTYPES", "ShardEntry", "StoreError", "TORCH_DTYPES", "StoreIncomplete", "StoreMismatch",
-           "check_compatible", "load_manifest", "mark_complete", "new_manifest", "resume_differences", "write_manifest"]
+__all__ = [
+    "Manifest",
+    "ManifestError",
+    "STORAGE_DTYPES",
+    "ShardEntry",
+    "StoreError",
+    "TORCH_DTYPES",
+    "StoreIncomplete",
+    "StoreMismatch",
+    "check_compatible",
+    "load_manifest",
+    "mark_complete",
+    "new_manifest",
+    "resume_differences",
+    "write_manifest",
+]
 
 
 def utc_now() -> str:
@@ -137,13 +151,29 @@ def new_manifest(
     settings: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest an extraction starts with: incomplete, no shards, created now."""
-    return Manifest(target=dict(target), hidden_dtype=hidden_dtype, world_size=world_size,
-                    tokenizer_fingerprint=tokenizer_fingerprint, data=dict(data or {}), settings=dict(settings or {}))
+    return Manifest(
+        target=dict(target),
+        hidden_dtype=hidden_dtype,
+        world_size=world_size,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        data=dict(data or {}),
+        settings=dict(settings or {}),
+    )
 
 
 # Filled in at completion, so they may differ between a running store and a rerun's fresh manifest.
-_SET_AT_COMPLETION = {"complete", "created", "finished", "shards", "compression", "chunk_tokens", "shard_tokens",
-                      "storage_dtype", "target.weights_fingerprint", "data.counts"}
+_SET_AT_COMPLETION = {
+    "complete",
+    "created",
+    "finished",
+    "shards",
+    "compression",
+    "chunk_tokens",
+    "shard_tokens",
+    "storage_dtype",
+    "target.weights_fingerprint",
+    "data.counts",
+}
 # Paths as the user typed them, kept for people: the same files spelled another way (relative, `./`,
 # through a symlink) must resume, so what they name is compared through `data.fingerprint` (content)
 # and `target.location` (the resolved target) instead.
@@ -164,7 +194,9 @@ def resume_differences(existing: Manifest, fresh: Manifest) -> list[str]:
         return {k: v for k, v in out.items() if k not in _SET_AT_COMPLETION | _AS_TYPED}
 
     old, new = flat(existing), flat(fresh)
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    return [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)
+    ]
 
 
 def write_manifest(root: str | Path, manifest: Manifest) -> None:
@@ -179,7 +211,9 @@ def load_manifest(root: str | Path) -> Manifest:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise ManifestError(f"{root}: no {StoreLayout.MANIFEST} (not a feature store, or extraction never started)") from None
+        raise ManifestError(
+            f"{root}: no {StoreLayout.MANIFEST} (not a feature store, or extraction never started)"
+        ) from None
     try:
         d = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -206,7 +240,10 @@ def mark_complete(
         raise StoreError(f"{root}: shard list {given} disagrees with the ranks' progress records {on_disk}")
     manifest.shards = on_disk
     manifest.compression, manifest.chunk_tokens, manifest.shard_tokens = (
-        layout["compression"], layout["chunk_tokens"], layout["shard_tokens"])
+        layout["compression"],
+        layout["chunk_tokens"],
+        layout["shard_tokens"],
+    )
     if weights_fingerprint is not None:
         manifest.target["weights_fingerprint"] = weights_fingerprint
     if counts is not None:

@@ -46,7 +46,11 @@ def finished_shards(root: str | Path, world_size: int) -> tuple[list[ShardEntry]
         if not record["done"]:
             unfinished.append(str(rank))
         layouts.append({k: v for k, v in record["layout"].items() if not k.startswith("capacity_")})
-        entries.append(ShardEntry(rank=rank, path=StoreLayout.rank_group_name(rank), samples=record["samples"], tokens=record["tokens"]))
+        entries.append(
+            ShardEntry(
+                rank=rank, path=StoreLayout.rank_group_name(rank), samples=record["samples"], tokens=record["tokens"]
+            )
+        )
     if unfinished:
         raise StoreIncomplete(f"{root}: ranks {', '.join(unfinished)} have not finished")
     if any(layout != layouts[0] for layout in layouts):

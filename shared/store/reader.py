@@ -45,7 +45,9 @@ class FeatureStore:
             for rank in range(self.manifest.world_size):
                 if (progress := StoreLayout(root).progress_file(rank)).exists():
                     record = read_progress(progress)
-                    entries.append(ShardEntry(rank, StoreLayout.rank_group_name(rank), record["samples"], record["tokens"]))
+                    entries.append(
+                        ShardEntry(rank, StoreLayout.rank_group_name(rank), record["samples"], record["tokens"])
+                    )
         self.shards = entries
         self._offsets: list[np.ndarray] = []
         self._sample_index: list[np.ndarray] = []
@@ -53,8 +55,11 @@ class FeatureStore:
             group = zarr.open_group(self.root / entry.path, mode="r")
             offsets = group["sample_offsets"][: entry.samples + 1]
             hidden = group["hidden_states"]
-            if (offsets[-1] != entry.tokens or hidden.shape[1] != self.manifest.hidden_width
-                    or hidden.attrs.get("logical_dtype") != self.manifest.hidden_dtype):
+            if (
+                offsets[-1] != entry.tokens
+                or hidden.shape[1] != self.manifest.hidden_width
+                or hidden.attrs.get("logical_dtype") != self.manifest.hidden_dtype
+            ):
                 raise StoreError(
                     f"{self.root / entry.path}: shard disagrees with the manifest (tokens {offsets[-1]} vs "
                     f"{entry.tokens}, width {hidden.shape[1]} vs {self.manifest.hidden_width}, "
@@ -62,7 +67,9 @@ class FeatureStore:
                 )
             self._offsets.append(offsets)
             self._sample_index.append(group["sample_index"][: entry.samples])
-        self._first = np.cumsum([0] + [e.samples for e in entries]).tolist()  # global index of each shard's first sample
+        self._first = np.cumsum(
+            [0] + [e.samples for e in entries]
+        ).tolist()  # global index of each shard's first sample
         self.lengths = np.concatenate([np.diff(o) for o in self._offsets]) if entries else np.zeros(0, np.int64)
         self._readers: list[dict[str, ShardedArrayReader]] | None = None
 
@@ -73,8 +80,10 @@ class FeatureStore:
 
     def _shard_readers(self, shard: int) -> dict[str, ShardedArrayReader]:
         if self._readers is None:
-            self._readers = [{name: ShardedArrayReader(self.root / entry.path / name) for name in TOKEN_ARRAYS}
-                             for entry in self.shards]
+            self._readers = [
+                {name: ShardedArrayReader(self.root / entry.path / name) for name in TOKEN_ARRAYS}
+                for entry in self.shards
+            ]
         return self._readers[shard]
 
     @property
@@ -111,19 +120,31 @@ class FeatureStore:
     def read_ids_and_mask(self, shard: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens [start, stop) of one shard without their hidden states: int32 ids, uint8 mask."""
         if not 0 <= start <= stop <= self.shards[shard].tokens:
-            raise IndexError(f"{self.root}: tokens [{start}, {stop}) outside shard {shard} ({self.shards[shard].tokens} tokens)")
+            raise IndexError(
+                f"{self.root}: tokens [{start}, {stop}) outside shard {shard} ({self.shards[shard].tokens} tokens)"
+            )
         readers = self._shard_readers(shard)
         return readers["input_ids"].read(start, stop), readers["loss_mask"].read(start, stop)
 
-    def read_raw(self, shard: int, start: int, stop: int, hidden_out: np.ndarray | None = None,
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read_raw(
+        self,
+        shard: int,
+        start: int,
+        stop: int,
+        hidden_out: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tokens [start, stop) of one shard as stored: int32 ids, uint8 mask, hidden in the storage
         dtype (decoded into `hidden_out` when given: C-contiguous [stop-start, W])."""
         ids, mask = self.read_ids_and_mask(shard, start, stop)
         return ids, mask, self._shard_readers(shard)["hidden_states"].read(start, stop, hidden_out)
 
-    def read_tokens(self, shard: int, start: int, stop: int, hidden_out: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def read_tokens(
+        self,
+        shard: int,
+        start: int,
+        stop: int,
+        hidden_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Contiguous tokens of one shard as tensors; `hidden_out` (a contiguous [stop-start, W] CPU
         tensor of the logical dtype) receives the hidden states without an intermediate copy."""
         bits = self.manifest.hidden_dtype == "bfloat16"
@@ -161,17 +182,23 @@ def stores_equal(a: FeatureStore | str | Path, b: FeatureStore | str | Path) -> 
     """
     a = a if isinstance(a, FeatureStore) else FeatureStore(a)
     b = b if isinstance(b, FeatureStore) else FeatureStore(b)
-    if (len(a) != len(b) or a.manifest.hidden_dtype != b.manifest.hidden_dtype
-            or not np.array_equal(a.lengths, b.lengths)
-            or not np.array_equal(np.concatenate([np.zeros(0, np.int64), *a._sample_index]),
-                                  np.concatenate([np.zeros(0, np.int64), *b._sample_index]))):
+    if (
+        len(a) != len(b)
+        or a.manifest.hidden_dtype != b.manifest.hidden_dtype
+        or not np.array_equal(a.lengths, b.lengths)
+        or not np.array_equal(
+            np.concatenate([np.zeros(0, np.int64), *a._sample_index]),
+            np.concatenate([np.zeros(0, np.int64), *b._sample_index]),
+        )
+    ):
         return False
     if [e.tokens for e in a.shards] == [e.tokens for e in b.shards]:
         window = a.manifest.shard_tokens or 4096
-        spans = [((k, t, min(t + window, e.tokens)),) * 2 for k, e in enumerate(a.shards) for t in range(0, e.tokens, window)]
+        spans = [
+            ((k, t, min(t + window, e.tokens)),) * 2 for k, e in enumerate(a.shards) for t in range(0, e.tokens, window)
+        ]
     else:
         spans = [(a.sample_span(i)[:3], b.sample_span(i)[:3]) for i in range(len(a))]
     return all(
-        all(_same_bits(x, y) for x, y in zip(a.read_raw(*span_a), b.read_raw(*span_b)))
-        for span_a, span_b in spans
+        all(_same_bits(x, y) for x, y in zip(a.read_raw(*span_a), b.read_raw(*span_b))) for span_a, span_b in spans
     )

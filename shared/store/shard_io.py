@@ -55,7 +55,9 @@ def _compressor(codec: dict[str, Any]) -> numcodecs.abc.Codec:
         config["shuffle"] = _SHUFFLES[config["shuffle"]]
         return numcodecs.get_codec({"id": "blosc", **config})
     if name == "zstd":
-        return numcodecs.get_codec({"id": "zstd", "level": config.get("level", 0), "checksum": config.get("checksum", False)})
+        return numcodecs.get_codec(
+            {"id": "zstd", "level": config.get("level", 0), "checksum": config.get("checksum", False)}
+        )
     raise ShardFormatError(f"unsupported chunk codec {name!r}")
 
 
@@ -91,18 +93,27 @@ class ShardFormat:
         shard_shape = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
         codecs = meta["codecs"]
         where = f"{array_dir}/zarr.json"
-        if (len(codecs) != 1 or codecs[0]["name"] != "sharding_indexed"
-                or meta["chunk_key_encoding"] != {"name": "default", "configuration": {"separator": "/"}}):
+        if (
+            len(codecs) != 1
+            or codecs[0]["name"] != "sharding_indexed"
+            or meta["chunk_key_encoding"] != {"name": "default", "configuration": {"separator": "/"}}
+        ):
             raise ShardFormatError(f"{where}: not a single sharding codec with '/' chunk keys")
         sharding = codecs[0]["configuration"]
         chunk_shape = tuple(sharding["chunk_shape"])
         if chunk_shape[1:] != shape[1:] or shard_shape[1:] != shape[1:] or shard_shape[0] % chunk_shape[0]:
             raise ShardFormatError(f"{where}: chunks must span all but the first axis and tile the shard")
-        if (sharding.get("index_location", "end") != "end"
-                or [c["name"] for c in sharding["index_codecs"]] != ["bytes", "crc32c"]):
+        if sharding.get("index_location", "end") != "end" or [c["name"] for c in sharding["index_codecs"]] != [
+            "bytes",
+            "crc32c",
+        ]:
             raise ShardFormatError(f"{where}: shard index must be little-endian bytes + crc32c at the end")
         inner = list(sharding["codecs"])
-        if not inner or inner[0]["name"] != "bytes" or inner[0].get("configuration", {}).get("endian", "little") != "little":
+        if (
+            not inner
+            or inner[0]["name"] != "bytes"
+            or inner[0].get("configuration", {}).get("endian", "little") != "little"
+        ):
             raise ShardFormatError(f"{where}: inner chunks must start with little-endian bytes")
         inner = inner[1:]
         chunk_crc = bool(inner) and inner[-1]["name"] == "crc32c"
@@ -111,8 +122,15 @@ class ShardFormat:
             raise ShardFormatError(f"{where}: at most one compressor is supported, got {[c['name'] for c in inner]}")
         if meta["fill_value"] != 0:
             raise ShardFormatError(f"{where}: fill value must be 0")
-        return cls(array_dir, shape, np.dtype(meta["data_type"]).newbyteorder("<"), chunk_shape[0], shard_shape[0],
-                   _compressor(inner[0]) if inner else None, chunk_crc)
+        return cls(
+            array_dir,
+            shape,
+            np.dtype(meta["data_type"]).newbyteorder("<"),
+            chunk_shape[0],
+            shard_shape[0],
+            _compressor(inner[0]) if inner else None,
+            chunk_crc,
+        )
 
     @property
     def chunks_per_shard(self) -> int:
@@ -150,7 +168,10 @@ class ShardFormat:
             index[k] = (offset, size)
             offset += size
         index_bytes = index.tobytes()
-        return [piece for pieces in encoded for piece in pieces] + [index_bytes, _crc(index_bytes).to_bytes(4, "little")]
+        return [piece for pieces in encoded for piece in pieces] + [
+            index_bytes,
+            _crc(index_bytes).to_bytes(4, "little"),
+        ]
 
     def write_file(self, shard: int, pieces: list[Any]) -> Path:
         """Write a shard file atomically (temp file, fsync, rename); the caller fsyncs directories."""
@@ -190,8 +211,11 @@ class ShardFormat:
                 k += 1
                 continue
             run_end = k
-            while (run_end < last and index[run_end + 1, 0] != EMPTY
-                   and index[run_end, 0] + index[run_end, 1] == index[run_end + 1, 0]):
+            while (
+                run_end < last
+                and index[run_end + 1, 0] != EMPTY
+                and index[run_end, 0] + index[run_end, 1] == index[run_end + 1, 0]
+            ):
                 run_end += 1
             base = int(index[k, 0])
             span = int(index[run_end, 0] + index[run_end, 1]) - base
@@ -277,7 +301,9 @@ class ShardedArrayReader:
         if out is None:
             out = np.empty(shape, fmt.dtype)
         elif out.shape != shape or out.dtype != fmt.dtype or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"out must be a writable C-contiguous {fmt.dtype} array of shape {shape}, got {out.dtype} {out.shape}")
+            raise ValueError(
+                f"out must be a writable C-contiguous {fmt.dtype} array of shape {shape}, got {out.dtype} {out.shape}"
+            )
         pos = start
         while pos < stop:
             shard = pos // fmt.shard_rows
@@ -302,7 +328,9 @@ class ShardedArrayReader:
 def write_shards(jobs: list[tuple[ShardFormat, int, np.ndarray]], pool: Executor) -> list[Path]:
     """Write (format, shard number, rows) shards: every chunk is queued for compression at once and
     the files are written in order as their chunks are ready, so writing overlaps compressing."""
-    pending = [(fmt, shard, [pool.submit(fmt.encode_chunk, part) for part in fmt.split(rows)]) for fmt, shard, rows in jobs]
+    pending = [
+        (fmt, shard, [pool.submit(fmt.encode_chunk, part) for part in fmt.split(rows)]) for fmt, shard, rows in jobs
+    ]
     return [fmt.write_file(shard, fmt.assemble([f.result() for f in futures])) for fmt, shard, futures in pending]
 
 

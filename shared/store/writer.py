@@ -160,21 +160,32 @@ class StoreWriter:
         lay = self.layout
         # crc32c last: every stored chunk carries its checksum, checked on every read.
         compressors = [*parse_compression(lay["compression"]), zarr.codecs.Crc32cCodec()]
-        group = zarr.open_group(self.group_dir, mode="w", attributes={"format_version": FORMAT_VERSION, "rank": self.rank})
+        group = zarr.open_group(
+            self.group_dir, mode="w", attributes={"format_version": FORMAT_VERSION, "rank": self.rank}
+        )
         cap_t, cap_n, shard = max(1, lay["capacity_tokens"]), max(1, lay["capacity_samples"]), lay["shard_tokens"]
 
         def create(name: str, shape: tuple, dtype: Any, chunks: tuple, shards: tuple | None, **attrs: Any) -> None:
             group.create_array(
-                name, shape=shape, dtype=dtype, chunks=chunks, shards=shards, compressors=compressors,
-                fill_value=0, attributes=attrs,
+                name,
+                shape=shape,
+                dtype=dtype,
+                chunks=chunks,
+                shards=shards,
+                compressors=compressors,
+                fill_value=0,
+                attributes=attrs,
             )
 
         # The 1-D token arrays use one inner chunk per shard: small, and read with the hidden rows.
         create("input_ids", (cap_t,), "int32", (shard,), (shard,))
         create("loss_mask", (cap_t,), "uint8", (shard,), (shard,))
         create(
-            "hidden_states", (cap_t, lay["hidden_width"]), lay["storage_dtype"],
-            (lay["chunk_tokens"], lay["hidden_width"]), (shard, lay["hidden_width"]),
+            "hidden_states",
+            (cap_t, lay["hidden_width"]),
+            lay["storage_dtype"],
+            (lay["chunk_tokens"], lay["hidden_width"]),
+            (shard, lay["hidden_width"]),
             logical_dtype=self.hidden_dtype,
         )
         create("sample_offsets", (cap_n + 1,), "int64", (SAMPLE_CHUNK,), None)
@@ -195,7 +206,10 @@ class StoreWriter:
                 "rerun with the same settings or remove it"
             )
         # Temp files of writes a crash cut short (zarr's and the progress record's).
-        for leftover in [*self.group_dir.rglob("*.partial"), *self.progress_file.parent.glob(f".{self.progress_file.name}.*.tmp")]:
+        for leftover in [
+            *self.group_dir.rglob("*.partial"),
+            *self.progress_file.parent.glob(f".{self.progress_file.name}.*.tmp"),
+        ]:
             leftover.unlink()
         self._open_arrays()
         commit = Commit(record["batches"], record["samples"], record["tokens"], record["done"])
@@ -206,9 +220,15 @@ class StoreWriter:
             self._set_state(commit, offsets, index)
             return
         # A crash during finalize may have left the arrays trimmed; give them their capacity back.
-        self._resize({"input_ids": (self._cap_t,), "loss_mask": (self._cap_t,),
-                      "hidden_states": (self._cap_t, self.layout["hidden_width"]),
-                      "sample_offsets": (self._cap_n + 1,), "sample_index": (self._cap_n,)})
+        self._resize(
+            {
+                "input_ids": (self._cap_t,),
+                "loss_mask": (self._cap_t,),
+                "hidden_states": (self._cap_t, self.layout["hidden_width"]),
+                "sample_offsets": (self._cap_n + 1,),
+                "sample_index": (self._cap_n,),
+            }
+        )
         self._set_state(commit, offsets, index)
         if commit.tokens > self._shard.start:
             self._shard.fill([self._arrays[name][self._shard.start : commit.tokens] for name in TOKEN_ARRAYS], 0)
@@ -216,7 +236,9 @@ class StoreWriter:
     def _open_arrays(self) -> None:
         group = zarr.open_group(self.group_dir, mode="r+")
         # write_empty_chunks: zarr would otherwise compare every chunk with the fill value first.
-        self._arrays = {name: group[name].with_config({"write_empty_chunks": True}) for name in TOKEN_ARRAYS + SAMPLE_ARRAYS}
+        self._arrays = {
+            name: group[name].with_config({"write_empty_chunks": True}) for name in TOKEN_ARRAYS + SAMPLE_ARRAYS
+        }
         # Token rows bypass zarr's per-chunk write path (shard_io writes the same bytes, faster).
         self._formats = {name: ShardFormat.of(self.group_dir / name) for name in TOKEN_ARRAYS}
         self._cap_t = max(1, self.layout["capacity_tokens"])
@@ -283,18 +305,26 @@ class StoreWriter:
         mask = np.asarray(mask.numpy() if isinstance(mask, torch.Tensor) else mask)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
             raise ValueError(f"{where}: input_ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
-        if mask.shape != ids.shape or not (mask.dtype == np.bool_ or (mask.dtype.kind in "iu" and mask.max() <= 1 and mask.min() >= 0)):
+        if mask.shape != ids.shape or not (
+            mask.dtype == np.bool_ or (mask.dtype.kind in "iu" and mask.max() <= 1 and mask.min() >= 0)
+        ):
             raise ValueError(f"{where}: loss_mask must be 0/1 of shape {ids.shape}, got {mask.dtype} {mask.shape}")
         if isinstance(hidden, torch.Tensor):
             if hidden.device.type != "cpu" or hidden.dtype != TORCH_DTYPES[self.hidden_dtype]:
-                raise ValueError(f"{where}: hidden must be a CPU {self.hidden_dtype} tensor, got {hidden.dtype} on {hidden.device}")
+                raise ValueError(
+                    f"{where}: hidden must be a CPU {self.hidden_dtype} tensor, got {hidden.dtype} on {hidden.device}"
+                )
             hidden = hidden.contiguous()
             hidden = (hidden.view(torch.uint16) if self.hidden_dtype == "bfloat16" else hidden).numpy()
         hidden = np.asarray(hidden)
         if hidden.dtype != self.storage_dtype:
-            raise ValueError(f"{where}: hidden must be {self.storage_dtype} ({self.hidden_dtype} bits), got {hidden.dtype}")
+            raise ValueError(
+                f"{where}: hidden must be {self.storage_dtype} ({self.hidden_dtype} bits), got {hidden.dtype}"
+            )
         if hidden.shape != (ids.size, self.layout["hidden_width"]):
-            raise ValueError(f"{where}: hidden has shape {hidden.shape}, expected {(ids.size, self.layout['hidden_width'])}")
+            raise ValueError(
+                f"{where}: hidden has shape {hidden.shape}, expected {(ids.size, self.layout['hidden_width'])}"
+            )
         return int(index), ids.astype(np.int32, copy=False), mask.astype(np.uint8, copy=False), hidden
 
     def flush_shards(self) -> None:
@@ -330,13 +360,16 @@ class StoreWriter:
 
     def _raise_if_failed(self) -> None:
         if self._failed is not None:
-            raise StoreError(f"{self.group_dir}: an earlier shard write failed ({self._failed!r}); nothing after it is committed")
+            raise StoreError(
+                f"{self.group_dir}: an earlier shard write failed ({self._failed!r}); nothing after it is committed"
+            )
 
     def _write_shard(self, shard: _ShardRows) -> None:
         """Write one shard's rows as whole shard files, fsynced, and the directories naming them."""
         k = shard.start // self.shard_tokens
-        write_shards([(self._formats[name], k, rows[: shard.n]) for name, rows in zip(TOKEN_ARRAYS, shard.arrays)],
-                     codec_pool())
+        write_shards(
+            [(self._formats[name], k, rows[: shard.n]) for name, rows in zip(TOKEN_ARRAYS, shard.arrays)], codec_pool()
+        )
         for name in TOKEN_ARRAYS:
             self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1)], files=False)
 
@@ -377,12 +410,21 @@ class StoreWriter:
             block = np.zeros(hi - lo, dtype=np.int64)
             block[: n - lo] = values[lo:n]
             array[lo:hi] = block
-            self._fsync_chunks(name, [(k,) for k in range(lo // SAMPLE_CHUNK, hi // SAMPLE_CHUNK + (hi % SAMPLE_CHUNK > 0))])
+            self._fsync_chunks(
+                name, [(k,) for k in range(lo // SAMPLE_CHUNK, hi // SAMPLE_CHUNK + (hi % SAMPLE_CHUNK > 0))]
+            )
 
     def _write_progress(self) -> None:
         c = self._commit
-        record = {"format_version": FORMAT_VERSION, "rank": self.rank, "batches": c.batches, "samples": c.samples,
-                  "tokens": c.tokens, "done": c.done, "layout": self.layout}
+        record = {
+            "format_version": FORMAT_VERSION,
+            "rank": self.rank,
+            "batches": c.batches,
+            "samples": c.samples,
+            "tokens": c.tokens,
+            "done": c.done,
+            "layout": self.layout,
+        }
         write_bytes_durably(self.progress_file, json.dumps(record, indent=1).encode())
 
     def _resize(self, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -415,13 +457,24 @@ class StoreWriter:
                 self._pool = None
             total_t, total_n = self._offsets[-1], len(self._index)
             width = self.layout["hidden_width"]
-            self._resize({"input_ids": (total_t,), "loss_mask": (total_t,), "hidden_states": (total_t, width),
-                          "sample_offsets": (total_n + 1,), "sample_index": (total_n,)})
+            self._resize(
+                {
+                    "input_ids": (total_t,),
+                    "loss_mask": (total_t,),
+                    "hidden_states": (total_t, width),
+                    "sample_offsets": (total_n + 1,),
+                    "sample_index": (total_n,),
+                }
+            )
             if self._shard.n:
                 self._write_shard(self._shard)
             self._write_sample_arrays(self._commit.samples, total_n)
             self._commit = Commit(self._batches, total_n, total_t, True)
             self._pending.clear()
             self._write_progress()
-        return ShardEntry(rank=self.rank, path=StoreLayout.rank_group_name(self.rank), samples=self._commit.samples,
-                          tokens=self._commit.tokens)
+        return ShardEntry(
+            rank=self.rank,
+            path=StoreLayout.rank_group_name(self.rank),
+            samples=self._commit.samples,
+            tokens=self._commit.tokens,
+        )

@@ -28,10 +28,16 @@ def load_tokenizer(target: str | Path) -> PreTrainedTokenizerBase:
     otherwise build an empty tokenizer from the config alone)."""
     gguf = gguf_file_of(target)
     if not gguf and Path(target).is_dir() and not any((Path(target) / f).exists() for f in TOKENIZER_FILES):
-        raise TargetError(f"{target}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
-                          "copy them from the model's repository into this folder")
+        raise TargetError(
+            f"{target}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+            "copy them from the model's repository into this folder"
+        )
     try:
-        tok = AutoTokenizer.from_pretrained(str(target), gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(str(target))
+        tok = (
+            AutoTokenizer.from_pretrained(str(target), gguf_file=gguf)
+            if gguf
+            else AutoTokenizer.from_pretrained(str(target))
+        )
     except (OSError, ValueError) as exc:
         raise TargetError(f"{target}: cannot load the tokenizer ({first_line(exc)})") from exc
     if not getattr(tok, "is_fast", False):
@@ -61,8 +67,9 @@ def export_target_assets(
     return final
 
 
-def save_target_head(model: nn.Module, target_config: PretrainedConfig, file: Path,
-                     dtype: torch.dtype | None = None) -> Path:
+def save_target_head(
+    model: nn.Module, target_config: PretrainedConfig, file: Path, dtype: torch.dtype | None = None
+) -> Path:
     """The target's embedding, LM head and final norm as `TargetHead` stores them (in `dtype` if given)."""
     config = text_config(target_config)
     embed = model.get_input_embeddings().weight

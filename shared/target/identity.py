@@ -62,8 +62,12 @@ class TargetIdentity:
         head = StoreLayout(store_root).target_head
         with safe_open(str(head), framework="pt") as f:
             dtype = str(f.get_slice("embed_tokens.weight").get_dtype())
-        return cls(str(target.get("name_or_path", "")), target["config_hash"], target.get("weights_fingerprint", ""),
-                   {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(dtype, dtype))
+        return cls(
+            str(target.get("name_or_path", "")),
+            target["config_hash"],
+            target.get("weights_fingerprint", ""),
+            {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(dtype, dtype),
+        )
 
     def save(self, folder: str | Path) -> None:
         write_bytes_durably(Path(folder) / IDENTITY_FILE, (json.dumps(asdict(self), indent=1) + "\n").encode())

@@ -38,9 +38,13 @@ def gguf_file_of(target: str | Path) -> str | None:
 def load_target_config(target: str | Path) -> PretrainedConfig:
     gguf = gguf_file_of(target)
     try:
-        return AutoConfig.from_pretrained(str(target), gguf_file=gguf) if gguf else AutoConfig.from_pretrained(str(target))
+        return (
+            AutoConfig.from_pretrained(str(target), gguf_file=gguf) if gguf else AutoConfig.from_pretrained(str(target))
+        )
     except (OSError, ValueError) as exc:
-        raise TargetError(f"{target}: cannot read the target's config ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from exc
+        raise TargetError(
+            f"{target}: cannot read the target's config ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
+        ) from exc
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -101,7 +105,9 @@ def load_truncated_target(
     keep = layer_ids[-1] + 1
     model = _load_causal_lm(target, truncated_config(load_target_config(target), keep), device=device, dtype=dtype)
     if len(decoder_layers(model)) != keep:
-        raise TargetError(f"{target}: expected {keep} decoder layers after truncation, got {len(decoder_layers(model))}")
+        raise TargetError(
+            f"{target}: expected {keep} decoder layers after truncation, got {len(decoder_layers(model))}"
+        )
     return model
 
 
@@ -110,7 +116,9 @@ def load_full_target(target: str | Path, *, device: torch.device, dtype: torch.d
     return _load_causal_lm(target, load_target_config(target), device=device, dtype=dtype)
 
 
-def _load_causal_lm(target: str | Path, config: PretrainedConfig, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def _load_causal_lm(
+    target: str | Path, config: PretrainedConfig, *, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
     kwargs: dict[str, Any] = {"config": config, "dtype": dtype, "attn_implementation": "sdpa"}
     gguf = gguf_file_of(target)
     if gguf:
@@ -122,7 +130,9 @@ def _load_causal_lm(target: str | Path, config: PretrainedConfig, *, device: tor
     try:
         model = AutoModelForCausalLM.from_pretrained(str(target), **kwargs)
     except (OSError, ValueError) as exc:
-        raise TargetError(f"{target}: cannot load the target ({exc.__class__.__name__}: {str(exc).splitlines()[0]})") from exc
+        raise TargetError(
+            f"{target}: cannot load the target ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
+        ) from exc
     finally:
         hf_logging.set_verbosity(verbosity)
     model.eval().requires_grad_(False)
@@ -176,9 +186,7 @@ class HiddenStateCapture:
         self._handles.clear()
 
 
-def forward_hidden_states(
-    model: nn.Module, capture: HiddenStateCapture, input_ids: torch.Tensor
-) -> list[torch.Tensor]:
+def forward_hidden_states(model: nn.Module, capture: HiddenStateCapture, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """Run the truncated decoder on right-padded ids; returns the chosen layers' outputs.
 
     No attention mask is passed on purpose: with right padding and causal attention every real token

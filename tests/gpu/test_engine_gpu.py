@@ -24,13 +24,19 @@ def model(request, tmp_path_factory):
 
 def workload(n: int) -> list[Request]:
     g = torch.Generator().manual_seed(0)
-    return [Request(torch.randint(5, 700, (int(L),), generator=g).tolist(), int(m), key=request_key(0, i))
-            for i, (L, m) in enumerate(zip(torch.randint(3, 200, (n,), generator=g), torch.randint(1, 60, (n,), generator=g)))]
+    return [
+        Request(torch.randint(5, 700, (int(L),), generator=g).tolist(), int(m), key=request_key(0, i))
+        for i, (L, m) in enumerate(
+            zip(torch.randint(3, 200, (n,), generator=g), torch.randint(1, 60, (n,), generator=g))
+        )
+    ]
 
 
 def run(model, requests, sampling, graphs, max_batch=16):
     settings = EngineSettings(max_batch=max_batch, max_request_tokens=320, page_size=16, cuda_graphs=graphs)
-    return [r.tokens for r in GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings).generate(requests)]
+    return [
+        r.tokens for r in GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings).generate(requests)
+    ]
 
 
 def test_graph_decode_equals_hf_generate_and_eager(model):
@@ -39,8 +45,14 @@ def test_graph_decode_equals_hf_generate_and_eager(model):
     assert graphed == run(model, requests, SamplingParams(), False)
     for r, got in zip(requests[:12], graphed):
         ids = torch.tensor([list(r.prompt)], device="cuda")
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        want = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=r.max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, ids.shape[1] :].tolist()
         assert got == want
 
 

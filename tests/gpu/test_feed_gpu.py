@@ -18,15 +18,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("workers, prefetch", [(1, 1), (2, 2)])
-def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(tiny_target_dir, tmp_path, monkeypatch,
-                                                                          workers, prefetch):
+def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(
+    tiny_target_dir, tmp_path, monkeypatch, workers, prefetch
+):
     """Every batch kept on the device and compared at the end, while the current stream is kept
     busy (as a training step would) so copies on the feed's stream run beside it: a slot refilled
     before its copy finished, or a batch read before its copy landed, shows as a mismatch."""
     data = tmp_path / "corpus.jsonl"
     data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:64]) + "\n")
-    run_extraction(ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(tmp_path / "store"),
-                                 device="cpu", max_length=256, batch_tokens=2048))
+    run_extraction(
+        ExtractConfig(
+            target=str(tiny_target_dir),
+            data=(str(data),),
+            out=str(tmp_path / "store"),
+            device="cpu",
+            max_length=256,
+            batch_tokens=2048,
+        )
+    )
     store = FeatureStore(tmp_path / "store")
     plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=1, rank=0, world=1, packs_per_step=2)
     spec = PackSpec(256, 16, 8, 0, 512)

@@ -30,7 +30,7 @@ def pack_layout(seed: int) -> dict[str, torch.Tensor]:
         n = min(int(torch.randint(200, 1500, (1,), generator=g)), S - 100 - start)
         sl = slice(start, start + n)
         doc[sl], pos[sl] = d, torch.arange(n)
-        mask[start + int(0.3 * n):start + n] = True
+        mask[start + int(0.3 * n) : start + n] = True
         anchors.append(sample_anchors(mask[sl], 60, g) + start)
         start, d = start + n, d + 1
     anchors = torch.cat(anchors)
@@ -84,9 +84,19 @@ def test_compiled_flex_forward_backward_equals_dense(dtype):
 
 def drafter_and_batch(seed: int):
     torch.manual_seed(0)
-    cfg = DFlashConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                       head_dim=64, vocab_size=1000, num_target_layers=36, mask_token_id=999,
-                       target_layer_ids=[1, 17, 33], num_hidden_layers=2, block_size=B)
+    cfg = DFlashConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=1000,
+        num_target_layers=36,
+        mask_token_id=999,
+        target_layer_ids=[1, 17, 33],
+        num_hidden_layers=2,
+        block_size=B,
+    )
     model = DFlashDrafter(cfg).to(DEV)
     layout = pack_layout(seed)
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -102,7 +112,11 @@ def drafter_and_batch(seed: int):
 def drafter_step(model, layout, batch, backend, autocast=False):
     args = mask_args(layout)
     model.attention_backend = backend
-    mask = A.dense_mask(*args, block_size=B) if backend == "sdpa_dense" else A.build_block_mask(*args, block_size=B, device=DEV)
+    mask = (
+        A.dense_mask(*args, block_size=B)
+        if backend == "sdpa_dense"
+        else A.build_block_mask(*args, block_size=B, device=DEV)
+    )
     model.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         out = model(batch["ctx"], batch["emb"], batch["pos"], batch["block_positions"], mask)

@@ -66,8 +66,12 @@ def reference(case, scale, dtype=None, rows: int = 16):
     q, k, v, table, lengths = case
     if dtype is not None:
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    return torch.cat([paged_decode_attention_reference(q[i:i + rows], k, v, table[i:i + rows], lengths[i:i + rows], scale)
-                      for i in range(0, len(q), rows)])
+    return torch.cat(
+        [
+            paged_decode_attention_reference(q[i : i + rows], k, v, table[i : i + rows], lengths[i : i + rows], scale)
+            for i in range(0, len(q), rows)
+        ]
+    )
 
 
 def rel(a, b) -> float:
@@ -125,8 +129,12 @@ def test_non_contiguous_q():
     q, k, v, table, lengths = make_case(6, 8, 2, 64, 16, 200, torch.float32, seed=2)
     qt = q.transpose(0, 1).contiguous().transpose(0, 1)  # [b, h, d] view with other strides
     assert not qt.is_contiguous()
-    torch.testing.assert_close(paged_decode_attention(qt, k, v, table, lengths, 0.125),
-                               paged_decode_attention(q, k, v, table, lengths, 0.125), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        paged_decode_attention(qt, k, v, table, lengths, 0.125),
+        paged_decode_attention(q, k, v, table, lengths, 0.125),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_page_size_checked():
