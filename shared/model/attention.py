@@ -27,9 +27,9 @@ Triton shared-memory OOM: some GPU/shape/dtype combinations make the default fle
 more shared memory than the chip has ("out of resource: shared memory"). The compiled call catches
 that error and retries with the next, smaller rung of `KERNEL_OPTION_FALLBACKS`, keeping the rung
 that worked for the rest of the process. The backward kernel is compiled lazily and fails inside
-`loss.backward()`, where no retry is possible, so a trainer calls `calibrate_kernel_options` once at
-start-up with tensors of its real shapes: it runs forward and backward down the ladder and pins the
-first rung that works. Explicit `kernel_options` passed by the caller are never overridden.
+`loss.backward()`, where no retry is possible: `calibrate_kernel_options` runs forward and backward
+at given shapes down the ladder and pins the first rung that works. `dflash-train` does not call it
+(the first rung fits every shape measured on the H200); a GPU whose shared memory is smaller needs it. Explicit `kernel_options` passed by the caller are never overridden.
 """
 
 from __future__ import annotations
