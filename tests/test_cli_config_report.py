@@ -156,7 +156,7 @@ def device_cli(name: str, monkeypatch, tmp_path):
         return main, ["--store", str(tmp_path / "store"), "--out", str(tmp_path / "o")], seen
     import dflash_pipeline.train.eval_cli as module
 
-    monkeypatch.setattr(module, "evaluate", lambda *a, device, **kw: seen.append(device) or {"all_lossless": True})
+    monkeypatch.setattr(module, "evaluate", lambda cfg: seen.append(cfg.device) or {"all_lossless": True})
     return module.main, ["--target", "t", "--drafter", "d", "--prompts", "p.jsonl"], seen
 
 

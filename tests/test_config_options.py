@@ -1,4 +1,4 @@
-"""The CLI options of dflash-extract and dflash-train derive from their config dataclasses: every field
+"""The CLI options of every command derive from its config dataclass: every field
 is an option with the field's default, and the dataclass itself refuses what the CLI refuses."""
 
 from __future__ import annotations
@@ -125,3 +125,17 @@ def test_the_cli_turns_a_refused_config_into_a_usage_error(monkeypatch, main, ar
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert option in result.output and not ran
+
+
+def test_dflash_eval_options_are_its_config_fields_with_their_defaults():
+    from dflash_pipeline.train.eval_cli import EvalConfig
+    from dflash_pipeline.train.eval_cli import main as eval_main
+
+    required = {"target": "t", "drafter": "d", "prompts": "p.jsonl"}
+    params = parsed(eval_main, ["--target", "t", "--drafter", "d", "--prompts", "p.jsonl"])
+    assert set(params) == {f.name for f in dataclasses.fields(EvalConfig) if "cli" in f.metadata}
+    assert config_from_cli(EvalConfig, params) == EvalConfig(**required)
+    with pytest.raises(ConfigError, match="--top-p"):
+        EvalConfig(**required, top_p=0.0)
+    result = CliRunner().invoke(eval_main, [*sum((["--" + k, v] for k, v in required.items()), []), "--limit", "0"])
+    assert result.exit_code == 2 and "--limit" in result.output

@@ -11,13 +11,40 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
 import torch
 
-from dflash_pipeline.shared.runtime.device import device_option, resolve_device
+from dflash_pipeline.shared.runtime.config import check_options, config_from_cli, config_options, option
+from dflash_pipeline.shared.runtime.device import DEVICE_HELP, resolve_device
 from dflash_pipeline.shared.runtime.errors import cli_errors
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What `dflash-eval` runs; its options derive from these fields."""
+
+    target: str = option(help="The target model folder (as given to dflash-extract).")
+    drafter: str = option(help="A trained drafter folder (dflash-train's OUT/drafter).")
+    prompts: str = option(
+        help='Prompt records: the formats of --data of dflash-extract, also without replies, or {"prompt": ...}.'
+    )
+    limit: int = option(16, range=(1, None), help="Number of prompts.")
+    max_new_tokens: int = option(128, range=(1, None))
+    block_size: int | None = option(None, range=(2, None), help="[default: the drafter's]")
+    device: str = option("auto", help=DEVICE_HELP + " Also an indexed device, e.g. cuda:1.")
+    dtype: str = option("auto", choices=("auto", "bfloat16", "float16", "float32"))
+    temperature: float = option(0.0, range=(0, None), help="0: greedy, checked lossless.")
+    top_p: float = option(1.0, range=(0, 1), min_open=True)
+    top_k: int = option(0, range=(0, None), help="0: no top-k filter.")
+    seed: int = option(0, help="Seed of the sampling (prompt n uses seed + n).")
+    json_path: str | None = option(None, flag="--json", help="Write the full report here.")
+    max_prompt_tokens: int = 1024  # a prompt's last tokens kept
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -57,22 +84,7 @@ def taus(accepted: list[list[int]]) -> dict[str, float]:
     }
 
 
-def evaluate(
-    target_path: str,
-    drafter_path: str,
-    prompts_path: str,
-    *,
-    limit: int,
-    max_new_tokens: int,
-    device: str,
-    dtype: str,
-    block_size: int | None,
-    max_prompt_tokens: int = 1024,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-) -> dict:
+def evaluate(cfg: EvalConfig) -> dict:
     from dflash_pipeline.data.chat import stop_token_ids
     from dflash_pipeline.shared.generation.sampling import SamplingParams
     from dflash_pipeline.shared.generation.speculative import dflash_generate, target_generate
@@ -87,9 +99,10 @@ def evaluate(
     )
     from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target, load_target_config
 
-    dev = torch.device(device)
+    target_path, drafter_path, prompts_path = cfg.target, cfg.drafter, cfg.prompts
+    dev = torch.device(cfg.device)
     torch_dtype = (
-        getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        getattr(torch, cfg.dtype) if cfg.dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     )
     drafter = DFlashDrafter.from_pretrained(
         drafter_path, attention_backend="sdpa_dense", device=dev, dtype=torch_dtype
@@ -105,25 +118,25 @@ def evaluate(
         check_weights(identity, f"the drafter {drafter_path}", target_path, target)
     stop_ids = stop_token_ids(tokenizer, target.generation_config.eos_token_id)
     capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
-    prompts = prompts_from(prompts_path, tokenizer, limit, max_prompt_tokens)
+    prompts = prompts_from(prompts_path, tokenizer, cfg.limit, cfg.max_prompt_tokens)
     if not prompts:
         raise click.UsageError(f"{prompts_path}: no usable prompts")
-    sampling = SamplingParams(temperature, top_p, top_k)
+    sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k)
 
     def generator(n: int) -> torch.Generator:
         """Prompt n's random stream: the same for both decoders and any --limit."""
-        return torch.Generator(dev).manual_seed(seed + n)
+        return torch.Generator(dev).manual_seed(cfg.seed + n)
 
     # one warm-up of each path so the first measured prompt does not pay for lazy initialisation
     warm = torch.tensor(prompts[0], device=dev)
     target_generate(target, warm, 4, stop_ids, sampling, generator(0))
-    dflash_generate(target, drafter, capture, warm, 4, stop_ids, block_size, sampling, generator(0))
+    dflash_generate(target, drafter, capture, warm, 4, stop_ids, cfg.block_size, sampling, generator(0))
     rows = []
     for n, ids in enumerate(prompts):
         p = torch.tensor(ids, device=dev)
-        base = target_generate(target, p, max_new_tokens, stop_ids, sampling, generator(n))
+        base = target_generate(target, p, cfg.max_new_tokens, stop_ids, sampling, generator(n))
         spec = dflash_generate(
-            target, drafter, capture, p, max_new_tokens, stop_ids, block_size, sampling, generator(n)
+            target, drafter, capture, p, cfg.max_new_tokens, stop_ids, cfg.block_size, sampling, generator(n)
         )
         rows.append(
             {
@@ -144,11 +157,11 @@ def evaluate(
         "drafter": drafter_path,
         "prompts": prompts_path,
         "num_prompts": len(rows),
-        "max_new_tokens": max_new_tokens,
-        "block_size": block_size or drafter.config.block_size,
+        "max_new_tokens": cfg.max_new_tokens,
+        "block_size": cfg.block_size or drafter.config.block_size,
         "device": str(dev),
         "dtype": str(torch_dtype).removeprefix("torch."),
-        "sampling": {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed},
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed},
         **taus([r["accepted"] for r in rows]),
         "speedup": sum(r["target_s"] for r in rows) / sum(r["dflash_s"] for r in rows),
         "all_lossless": all(r["lossless"] for r in rows) if sampling.greedy else None,
@@ -160,57 +173,14 @@ def evaluate(
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--target", required=True, help="The target model folder (as given to dflash-extract).")
-@click.option("--drafter", required=True, help="A trained drafter folder (dflash-train's OUT/drafter).")
-@click.option(
-    "--prompts",
-    required=True,
-    help='Prompt records: the formats of --data of dflash-extract, also without replies, or {"prompt": ...}.',
-)
-@click.option("--limit", default=16, type=click.IntRange(1), help="Number of prompts.")
-@click.option("--max-new-tokens", default=128, type=click.IntRange(1))
-@click.option("--block-size", default=None, type=click.IntRange(2), help="[default: the drafter's]")
-@device_option(choices=None)
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto")
-@click.option("--temperature", default=0.0, type=click.FloatRange(0), help="0: greedy, checked lossless.")
-@click.option("--top-p", default=1.0, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--top-k", default=0, type=click.IntRange(0), help="0: no top-k filter.")
-@click.option("--seed", default=0, type=int, help="Seed of the sampling (prompt n uses seed + n).")
-@click.option("--json", "json_path", default=None, help="Write the full report here.")
+@config_options(EvalConfig)
 @cli_errors("dflash-eval")
-def main(
-    target,
-    drafter,
-    prompts,
-    limit,
-    max_new_tokens,
-    block_size,
-    device,
-    dtype,
-    temperature,
-    top_p,
-    top_k,
-    seed,
-    json_path,
-) -> None:
+def main(**opts) -> None:
     """Measure acceptance length and speedup of a drafter; check lossless greedy decoding."""
-    device = resolve_device("dflash-eval", device)
-    report = evaluate(
-        target,
-        drafter,
-        prompts,
-        limit=limit,
-        max_new_tokens=max_new_tokens,
-        device=device,
-        dtype=dtype,
-        block_size=block_size,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-    )
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=1))
+    cfg = config_from_cli(EvalConfig, opts)
+    report = evaluate(replace(cfg, device=resolve_device("dflash-eval", cfg.device)))
+    if cfg.json_path:
+        Path(cfg.json_path).write_text(json.dumps(report, indent=1))
     click.echo(json.dumps({k: v for k, v in report.items() if k != "per_prompt"}, indent=1))
     if report["all_lossless"] is False:
         click.echo("dflash-eval: error: speculative output differs from target greedy output", err=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
+from dflash_pipeline.shared.runtime.config import config_from_cli, config_options, option
 from dflash_pipeline.shared.runtime.errors import cli_errors
 from dflash_pipeline.train.metrics import read_records
 
@@ -47,13 +49,21 @@ def draw(run: Path, png: Path) -> Path:
     return png
 
 
+@dataclass(frozen=True)
+class ReportConfig:
+    """What `dflash-report` draws; its options derive from these fields."""
+
+    run: str = option(type=click.Path(file_okay=False, exists=True), help="dflash-train --out folder.")
+    png: str | None = option(None, help="Output image [default: RUN/report.png].")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--run", required=True, type=click.Path(file_okay=False, exists=True), help="dflash-train --out folder.")
-@click.option("--png", default=None, help="Output image [default: RUN/report.png].")
+@config_options(ReportConfig)
 @cli_errors("dflash-report")
-def main(run: str, png: str | None) -> None:
+def main(**opts) -> None:
     """Draw loss and acceptance curves of a run."""
-    out = draw(Path(run), Path(png) if png else Path(run) / "report.png")
+    cfg = config_from_cli(ReportConfig, opts)
+    out = draw(Path(cfg.run), Path(cfg.png) if cfg.png else Path(cfg.run) / "report.png")
     click.echo(f"report written to {out}")
 
 
