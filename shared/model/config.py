@@ -10,6 +10,9 @@ from typing import Any
 from dflash_pipeline.shared.target.loading import text_config
 
 CONFIG_FILE = "config.json"
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+# DFlash-2 settings, in `dflash_config` (read there first, then top level, as the reference's `_draft_value`)
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
@@ -59,6 +62,11 @@ class DFlashConfig:
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
     attention_bias: bool = False
+    # DFlash-2 (`DFlash2DraftModel`): all four set, or all None for DFlash
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on round trip
 
     def __post_init__(self) -> None:
@@ -80,6 +88,30 @@ class DFlashConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.attention_bias:
             raise ValueError("attention_bias=True is not supported (the released drafters have none)")
+        dflash2 = {name: getattr(self, name) for name in DFLASH2_KEYS}
+        if any(v is not None for v in dflash2.values()):
+            if any(v is None for v in dflash2.values()):
+                raise ValueError(f"DFlash-2 needs all of {', '.join(DFLASH2_KEYS)}, got {dflash2}")
+            for name, v in dflash2.items():
+                setattr(self, name, int(v))
+                if int(v) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {v}")
+            if self.hidden_size % self.conv_group_size:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not a multiple of conv_group_size {self.conv_group_size}"
+                )
+            if self.selector_top_k > self.vocab_size:
+                raise ValueError(f"selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
+
+    @property
+    def arch(self) -> str:
+        """Which drafter: "dflash2" (convolutions and selector) when its fields are set, else "dflash"."""
+        return "dflash" if self.conv_kernel_size is None else "dflash2"
+
+    @property
+    def architecture(self) -> str:
+        """The reference class that loads this config (config.json `architectures`)."""
+        return ARCHITECTURES[self.arch]
 
     @property
     def context_width(self) -> int:
@@ -98,10 +130,12 @@ class DFlashConfig:
         }
         if self.final_logit_softcapping is not None:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.arch == "dflash2":
+            dflash.update({name: getattr(self, name) for name in DFLASH2_KEYS})
         out: dict[str, Any] = dict(self.extra)
         out.update(
             {
-                "architectures": ["DFlashDraftModel"],
+                "architectures": [self.architecture],
                 "model_type": "qwen3",
                 "is_causal": False,
                 "attention_bias": False,
@@ -149,6 +183,14 @@ class DFlashConfig:
         layer_types = d.get("layer_types")
         if layer_types and "sliding_attention" not in layer_types:
             window = None
+        if layer_types and len(set(layer_types)) > 1:
+            raise ValueError(f"mixed layer_types {sorted(set(layer_types))} are not supported (one window for all)")
+        # the reference's attention is causal if is_causal says so, or (is_causal absent) in sliding layers
+        causal = d.get("is_causal")
+        if causal or (causal is None and layer_types and "sliding_attention" in layer_types):
+            raise ValueError(
+                "causal drafter attention (is_causal, or sliding layers without is_causal) is not supported"
+            )
         known = {f.name for f in fields(cls)} | {
             "architectures",
             "model_type",
@@ -188,6 +230,7 @@ class DFlashConfig:
             final_logit_softcapping=value("final_logit_softcapping"),
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
             attention_bias=bool(d.get("attention_bias", False)),
+            **{name: value(name) for name in DFLASH2_KEYS},
             extra={k: v for k, v in d.items() if k not in known},
         )
 

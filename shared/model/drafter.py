@@ -8,10 +8,18 @@ positions, a SwiGLU MLP and pre-norm residuals; a final `norm`. Only the block r
 layers: the context enters every layer as the same projected feature, so at inference its per-layer
 k/v can be cached (`DrafterCache`, `forward_step`).
 
+DFlash-2 (`config.arch == "dflash2"`, the reference's `DFlash2DraftModel`): each layer also has a
+`GroupedDynamicCausalConv` around attention (`attention_conv`) and around the MLP (`mlp_conv`), causal
+along the positions of each block only, and the drafter a `CandidateSelector` (`propose`) that picks
+the block's tokens among the top-k draft logits.
+
 Files (`save_pretrained`): `config.json` in the reference's layout (`architectures:
 ["DFlashDraftModel"]`, `model_type: "qwen3"`, `is_causal: false`, `dflash_config`, `num_target_layers`,
-`layer_types`) and `model.safetensors` with exactly the reference's key names (`fc.weight`,
-`hidden_norm.weight`, `layers.{i}.…`, `norm.weight`). Differences from the reference layout:
+`layer_types`; DFlash-2: `["DFlash2DraftModel"]` and the conv/selector keys in `dflash_config`) and
+`model.safetensors` with exactly the reference's key names (`fc.weight`, `hidden_norm.weight`,
+`layers.{i}.…`, `norm.weight`; DFlash-2 adds `layers.{i}.{attention,mlp}_conv.base_kernel`,
+`layers.{i}.{attention,mlp}_conv.kernel_projection.weight`, `candidate_selector.hidden_projection.weight`
+and `candidate_selector.{predecessor,successor}_codebook`). Differences from the reference layout:
 none in the files. In code, `forward` takes the attention mask explicitly (a flex `BlockMask` or a
 dense bool mask) instead of building one, and the frozen target pieces live in `TargetHead`
 (`target_head.safetensors` in the store's `target/` folder), never in the drafter's weights, as the
@@ -32,10 +40,10 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from dflash_pipeline.shared.model import attention as attn
 from dflash_pipeline.shared.model.config import CONFIG_FILE, DFlashConfig
-from dflash_pipeline.shared.model.loss import compute_logits
+from dflash_pipeline.shared.model.loss import SelectorWeights, compute_logits, selector_scores
 from dflash_pipeline.shared.runtime.errors import UserError, first_line
 
-__all__ = ["DFlashDrafter", "DrafterCache", "DrafterError"]
+__all__ = ["CandidateSelector", "DFlashDrafter", "DrafterCache", "DrafterError", "GroupedDynamicCausalConv"]
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -149,6 +157,86 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def grouped_causal_convolve(
+    x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int, block_size: int
+) -> torch.Tensor:
+    """Causal convolution along each block of `block_size` positions of x [b, Q, H] (Q = N * block_size),
+    never across blocks (zeros before each block start): out[t] = sum_o (base[o] + dynamic[t, o]) * x[t - o],
+    with a per-channel base kernel [K, H] and a per-position, per-group dynamic kernel [b, Q, K, H // group_size]."""
+    b, q, h = x.shape
+    groups, taps = h // group_size, base.shape[0]
+    xs = x.view(b, q // block_size, block_size, groups, group_size)
+    dyn = dynamic.reshape(b, q // block_size, block_size, taps, groups, 1)
+    out = torch.zeros_like(xs)
+    for o in range(min(taps, block_size)):  # a tap reaching before the block start only sees zeros
+        shifted = xs if o == 0 else F.pad(xs[:, :, :-o], (0, 0, 0, 0, o, 0))
+        out = out + base[o].view(groups, group_size).to(x.dtype) * shifted
+        out = torch.addcmul(out, dyn[:, :, :, o], shifted)
+    return out.view(b, q, h)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash-2's convolution around attention or the MLP: `prepare` convolves the sublayer's input
+    and predicts (from that input) the kernel `finish` applies to its output. `base_kernel` [2, K, H]
+    holds the static kernels of both; `kernel_projection` the dynamic ones, per group of channels.
+    Initialised to the identity (tap 0 is 1, the rest and the projection 0)."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.groups = kernel_size, group_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.reset_identity()
+
+    def reset_identity(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, Q, H] -> (convolved x, the dynamic kernel for `finish`)."""
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        out = grouped_causal_convolve(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, block_size)
+        return out, dynamic[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, block_size: int) -> torch.Tensor:
+        return grouped_causal_convolve(x, dynamic, self.base_kernel[1], self.group_size, block_size)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash-2's selector: re-ranks each position's top-k draft tokens by their logit plus a low-rank
+    transition score from the previous token, `<P[prev] * W h, S[candidate]>`, then decodes left to
+    right from the anchor. The codebooks are bare parameters: the released files name them
+    `candidate_selector.{predecessor,successor}_codebook` (no `.weight`)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        rank, self.top_k = config.selector_rank, config.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def select(
+        self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """hidden [b, L, H], logits [b, L, V], anchor ids [b] -> (drafted ids [b, L], candidates
+        [b, L, k], and at temperature > 0 the sampling probabilities over the candidates [b, L, k])."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        weights = SelectorWeights.of(self)
+        previous, path, probs = anchor_ids, [], []
+        for t in range(hidden.shape[1]):
+            scores = selector_scores(weights, hidden[:, t], unary[:, t], candidates[:, t], previous)
+            if temperature > 0:
+                probs.append(torch.softmax(scores.float() / temperature, dim=-1))
+                index = torch.multinomial(probs[-1], 1)[:, 0]
+            else:
+                index = scores.argmax(dim=-1)
+            previous = candidates[:, t].gather(-1, index[:, None])[:, 0]
+            path.append(previous)
+        return torch.stack(path, dim=1), candidates, torch.stack(probs, dim=1) if probs else None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -156,10 +244,26 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.attention_conv = self.mlp_conv = None
+        if config.arch == "dflash2":
+            self.attention_conv = GroupedDynamicCausalConv(
+                config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            )
+            self.mlp_conv = GroupedDynamicCausalConv(
+                config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            )
 
-    def forward(self, h, context_k, context_v, cos, sin, attend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), context_k, context_v, cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, context_k, context_v, cos, sin, attend, block_size: int) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.attention_conv is None:
+            h = h + self.self_attn(x, context_k, context_v, cos, sin, attend)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        x, kernel = self.attention_conv.prepare(x, block_size)
+        h = h + self.attention_conv.finish(
+            self.self_attn(x, context_k, context_v, cos, sin, attend), kernel, block_size
+        )
+        x, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h), block_size)
+        return h + self.mlp_conv.finish(self.mlp(x), kernel, block_size)
 
 
 @dataclass
@@ -202,15 +306,24 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.candidate_selector = CandidateSelector(config) if config.arch == "dflash2" else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """The reference's init (HF `_init_weights`): normal(0, 0.02) linears, unit norms."""
+        """The reference's init (HF `_init_weights`): normal(0, 0.02) linears and codebooks, unit
+        norms; DFlash-2's convolutions start as the identity, so a new DFlash-2 drafter computes
+        what the same DFlash drafter does."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, CandidateSelector):
+                nn.init.normal_(module.predecessor_codebook, std=std)
+                nn.init.normal_(module.successor_codebook, std=std)
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_identity()
 
     @property
     def attention_backend(self) -> str:
@@ -246,14 +359,16 @@ class DFlashDrafter(nn.Module):
         """fc + hidden_norm: [b, S, n_layers*H] -> [b, S, H]."""
         return self.hidden_norm(self.fc(context_hidden))
 
-    def _run_layers(self, h, context, context_positions, block_positions, attend, cache: DrafterCache | None):
+    def _run_layers(
+        self, h, context, context_positions, block_positions, attend, cache: DrafterCache | None, block_size: int
+    ):
         cos_c, sin_c = self.rotary_emb(h, context_positions)
         cos_b, sin_b = self.rotary_emb(h, block_positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.context_kv(context, cos_c, sin_c)
             if cache is not None:
                 k, v = cache.append(i, k, v)
-            h = layer(h, k, v, cos_b, sin_b, attend)
+            h = layer(h, k, v, cos_b, sin_b, attend, block_size)
         return self.norm(h)
 
     def forward(
@@ -264,13 +379,19 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         mask: BlockMask | torch.Tensor,
     ) -> torch.Tensor:
-        """Training forward: [b, S, n_layers*H], [b, Q, H], [b, S], [b, Q], mask -> [b, Q, H]."""
+        """Training forward: [b, S, n_layers*H], [b, Q, H], [b, S], [b, Q], mask -> [b, Q, H]. The
+        queries are N blocks of `block_size` tokens (DFlash-2's convolutions run inside each block)."""
         if context_hidden.shape[-1] != self.config.context_width:
             raise ValueError(
                 f"context_hidden width {context_hidden.shape[-1]} != n_layers*hidden {self.config.context_width}"
             )
+        block_size = self.config.block_size
+        if self.config.arch == "dflash2" and block_embeds.shape[1] % block_size:
+            raise ValueError(f"{block_embeds.shape[1]} block tokens are not whole blocks of {block_size}")
         context = self.project_context(context_hidden)
-        return self._run_layers(block_embeds, context, context_positions, block_positions, self._attend(mask), None)
+        return self._run_layers(
+            block_embeds, context, context_positions, block_positions, self._attend(mask), None, block_size
+        )
 
     def forward_step(
         self,
@@ -297,7 +418,9 @@ class DFlashDrafter(nn.Module):
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
             )
 
-        out = self._run_layers(block_embeds, context, new_context_positions, block_positions, attend, cache)
+        out = self._run_layers(
+            block_embeds, context, new_context_positions, block_positions, attend, cache, block_embeds.shape[1]
+        )
         cache.positions = key_positions
         return out
 
@@ -308,6 +431,16 @@ class DFlashDrafter(nn.Module):
             output_multiplier=self.config.output_multiplier,
             softcap=self.config.final_logit_softcapping,
         )
+
+    def propose(
+        self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight: torch.Tensor, temperature: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """DFlash-2's draft of a block: the selector's path over the top-k logits of `hidden` [b, L, H]
+        after the anchors [b] (see `CandidateSelector.select`)."""
+        if self.candidate_selector is None:
+            raise ValueError("propose needs a DFlash-2 drafter (a candidate selector)")
+        logits = self.compute_logits(hidden, lm_head_weight)
+        return self.candidate_selector.select(hidden, logits, anchor_ids, temperature)
 
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
         """config.json + model.safetensors in the reference layout (weights cast to `dtype` if set)."""
@@ -342,8 +475,10 @@ class DFlashDrafter(nn.Module):
             config = DFlashConfig.from_hf_dict(raw)
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise DrafterError(f"{config_path}: not a DFlash drafter config ({first_line(exc)})") from exc
-        if arch != ["DFlashDraftModel"]:
-            raise DrafterError(f"{config_path}: architectures {arch} is not a plain DFlashDraftModel")
+        if arch != [config.architecture]:
+            raise DrafterError(
+                f"{config_path}: architectures {arch}, but its dflash_config describes a {config.architecture}"
+            )
         model = cls(config, attention_backend=attention_backend)
         try:
             state = load_file(str(weights_path))

@@ -1,7 +1,10 @@
 """The DFlash loss over blocks: position-weighted cross-entropy through the target's frozen LM head,
-the logits it is computed from, and the acceptance length it is judged by."""
+the logits it is computed from, and the acceptance length it is judged by; and the DFlash-2 objective,
+which adds the candidate selector's K-way cross-entropy to that CE."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +52,38 @@ def compute_logits(
     return logits
 
 
+def _labeled_rows(hidden: torch.Tensor, labels: torch.Tensor, block_size: int, gamma: float):
+    """Flat labels, the indices of labeled rows, their block positions and their position weights."""
+    batch, Q, _ = hidden.shape
+    if labels.shape != (batch, Q) or Q % block_size:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must be [{batch}, {Q}] with {Q} a multiple of block_size {block_size}"
+        )
+    device = hidden.device
+    position = (torch.arange(Q, device=device) % block_size).repeat(batch)
+    flat_labels = labels.reshape(-1).to(device)
+    rows = (flat_labels != IGNORE_INDEX).nonzero().flatten()
+    row_position = position[rows]
+    return flat_labels, rows, row_position, loss_weights(block_size, gamma).to(device)[row_position]
+
+
+def _prediction_stats(
+    labels, flat_labels, rows, row_position, preds, block_size, weight_sum
+) -> dict[str, torch.Tensor]:
+    """`dflash_loss`'s stats from the per-chunk argmax predictions of the labeled rows; `pred` is shaped like `labels`."""
+    row_labels = flat_labels[rows]
+    row_pred = torch.cat(preds) if preds else row_labels.clone()
+    pred = torch.full_like(flat_labels, -1)
+    pred[rows] = row_pred
+    hit = row_pred == row_labels
+    return {
+        "correct": torch.bincount(row_position[hit], minlength=block_size),
+        "total": torch.bincount(row_position, minlength=block_size),
+        "pred": pred.view(labels.shape),
+        "weight_sum": weight_sum.detach(),
+    }
+
+
 def _chunk_loss(hidden, labels, weights, lm_head_weight, output_multiplier, softcap):
     logits = compute_logits(hidden, lm_head_weight, output_multiplier=output_multiplier, softcap=softcap).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
@@ -78,18 +113,9 @@ def dflash_loss(
     """
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight must be frozen (requires_grad=False)")
-    batch, Q, H = hidden.shape
-    if labels.shape != (batch, Q) or Q % block_size:
-        raise ValueError(
-            f"labels {tuple(labels.shape)} must be [{batch}, {Q}] with {Q} a multiple of block_size {block_size}"
-        )
-    device = hidden.device
-    position = (torch.arange(Q, device=device) % block_size).repeat(batch)
-    flat_labels = labels.reshape(-1).to(device)
-    rows = (flat_labels != IGNORE_INDEX).nonzero().flatten()
-    row_position = position[rows]
+    H = hidden.shape[-1]
+    flat_labels, rows, row_position, row_weights = _labeled_rows(hidden, labels, block_size, gamma)
     row_labels = flat_labels[rows]
-    row_weights = loss_weights(block_size, gamma).to(device)[row_position]
     row_hidden = hidden.reshape(-1, H).index_select(0, rows)
     total = hidden.sum() * 0.0  # keeps the graph (and DDP) connected when nothing is labeled
     preds = []
@@ -109,17 +135,150 @@ def dflash_loss(
         preds.append(pred)
     weight_sum = row_weights.sum()
     loss = total / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
-    row_pred = torch.cat(preds) if preds else row_labels.clone()
-    pred = torch.full_like(flat_labels, -1)
-    pred[rows] = row_pred
-    hit = row_pred == row_labels
-    stats = {
-        "correct": torch.bincount(row_position[hit], minlength=block_size),
-        "total": torch.bincount(row_position, minlength=block_size),
-        "pred": pred.view(batch, Q),
-        "weight_sum": weight_sum.detach(),
-    }
+    stats = _prediction_stats(labels, flat_labels, rows, row_position, preds, block_size, weight_sum)
     return loss, stats
+
+
+@dataclass(frozen=True)
+class SelectorWeights:
+    """The DFlash-2 candidate selector's parameters as tensors, so the loss does not depend on the module
+    holding them: codebooks [vocab, rank], hidden projection [rank, H] (the nn.Linear weight layout)."""
+
+    predecessor_codebook: torch.Tensor
+    successor_codebook: torch.Tensor
+    hidden_projection: torch.Tensor
+
+    @classmethod
+    def of(cls, selector: torch.nn.Module) -> SelectorWeights:
+        """From a module laid out like the reference's `CandidateSelector`; a codebook may be an
+        nn.Embedding or a bare parameter (as the released checkpoints name them)."""
+
+        def tensor(part):
+            return part if isinstance(part, torch.Tensor) else part.weight
+
+        return cls(
+            tensor(selector.predecessor_codebook),
+            tensor(selector.successor_codebook),
+            selector.hidden_projection.weight,
+        )
+
+
+def selector_scores(
+    weights: SelectorWeights,
+    hidden: torch.Tensor,
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    predecessors: torch.Tensor,
+) -> torch.Tensor:
+    """The reference's candidate score (`CandidateSelector.select`), in fp32:
+    scores[r, k] = unary[r, k] + <P[predecessors[r]] * (W hidden[r]), S[candidates[r, k]]>.
+    hidden [R, H], unary and candidates [R, K], predecessors [R] -> [R, K]."""
+    projected = F.linear(hidden, weights.hidden_projection).float()
+    left = F.embedding(predecessors, weights.predecessor_codebook).float() * projected
+    right = F.embedding(candidates, weights.successor_codebook).float()
+    return unary.float() + torch.einsum("rd,rkd->rk", left, right)
+
+
+def _chunk_selector_loss(
+    hidden,
+    labels,
+    predecessors,
+    weights,
+    selector_weights,
+    lm_head_weight,
+    predecessor_codebook,
+    successor_codebook,
+    hidden_projection,
+    output_multiplier,
+    softcap,
+    top_k,
+):
+    logits = compute_logits(hidden, lm_head_weight, output_multiplier=output_multiplier, softcap=softcap).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    candidates = logits.topk(top_k, dim=-1).indices  # sorted: the last one scores lowest
+    missing = (candidates != labels[:, None]).all(dim=-1)
+    last = torch.where(missing, labels, candidates[:, -1])
+    candidates = torch.cat([candidates[:, :-1], last[:, None]], dim=1)  # label injection
+    target = (candidates == labels[:, None]).long().argmax(dim=-1)
+    selector = SelectorWeights(predecessor_codebook, successor_codebook, hidden_projection)
+    scores = selector_scores(selector, hidden, logits.gather(1, candidates), candidates, predecessors)
+    selector_ce = F.cross_entropy(scores, target, reduction="none")
+    return (ce * weights).sum(), (selector_ce * selector_weights).sum(), logits.argmax(dim=-1)
+
+
+def selector_loss(
+    selector: SelectorWeights,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    block_size: int,
+    gamma: float,
+    top_k: int,
+    *,
+    selector_loss_weight: float = 1.0,
+    output_multiplier: float = 1.0,
+    softcap: float | None = None,
+    chunk_tokens: int = 2048,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DFlash-2 objective `(sum(w_k * ce) + selector_loss_weight * sum(w_k * sel)) / sum(w_k)`.
+
+    `ce` is `dflash_loss`'s CE and `w_k` its position weights. `sel` is the K-way CE of the selector's
+    scores (`selector_scores`) over the top-`top_k` draft tokens of the row, the label replacing the
+    lowest of them when it is missing (so it always has a target), with the teacher-forced predecessor:
+    the anchor token (`anchor_ids`, one per block) at k = 1, the label at k - 1 after. A row whose
+    previous position is unlabeled has no known predecessor and only the CE term. Both terms share
+    the denominator, so `loss * weight_sum` is a sum over rows, as `pack_loss` needs for DDP.
+
+    hidden [b, Q, H] (drafter states; [N, B, H] is b = N, Q = B), labels [b, Q], anchor_ids
+    [b * Q / B]. The logits are made `chunk_tokens` rows at a time under checkpointing, as in
+    `dflash_loss`, and serve both terms. The LM head is frozen. stats: `dflash_loss`'s, plus `ce` and
+    `selector` (the two terms, each over `weight_sum`, detached: loss = ce + weight * selector).
+    """
+    if lm_head_weight.requires_grad:
+        raise ValueError("lm_head_weight must be frozen (requires_grad=False)")
+    if not 1 <= top_k <= lm_head_weight.shape[0]:
+        raise ValueError(f"top_k {top_k} must be in [1, vocab {lm_head_weight.shape[0]}]")
+    batch, Q, H = hidden.shape
+    flat_labels, rows, row_position, row_weights = _labeled_rows(hidden, labels, block_size, gamma)
+    anchor_ids = anchor_ids.reshape(-1).to(hidden.device)
+    if anchor_ids.numel() != batch * Q // block_size:
+        raise ValueError(f"anchor_ids has {anchor_ids.numel()} tokens for {batch * Q // block_size} blocks")
+    row_labels = flat_labels[rows]
+    previous = torch.where(row_position <= 1, anchor_ids[rows // block_size], flat_labels[(rows - 1).clamp_min(0)])
+    known = previous != IGNORE_INDEX
+    predecessors = torch.where(known, previous, 0)
+    row_hidden = hidden.reshape(-1, H).index_select(0, rows)
+    params = (selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection)
+    # zero terms keep the graph (and DDP) connected to every input when nothing is labeled
+    ce_total = hidden.sum() * 0.0
+    selector_total = sum(p.sum() for p in params) * 0.0
+    preds = []
+    for start in range(0, len(rows), chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        ce_sum, selector_sum, pred = checkpoint(
+            _chunk_selector_loss,
+            row_hidden[part],
+            row_labels[part],
+            predecessors[part],
+            row_weights[part],
+            (row_weights * known)[part],
+            lm_head_weight,
+            *params,
+            output_multiplier,
+            softcap,
+            top_k,
+            use_reentrant=False,
+        )
+        ce_total = ce_total + ce_sum
+        selector_total = selector_total + selector_sum
+        preds.append(pred)
+    weight_sum = row_weights.sum()
+    denominator = weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    ce, selector_term = ce_total / denominator, selector_total / denominator
+    stats = _prediction_stats(labels, flat_labels, rows, row_position, preds, block_size, weight_sum)
+    stats.update(ce=ce.detach(), selector=selector_term.detach())
+    return ce + selector_loss_weight * selector_term, stats
 
 
 def acceptance_length(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
