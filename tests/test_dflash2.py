@@ -50,9 +50,12 @@ def dflash2_config(**kw) -> DFlashConfig:
 
 
 def random_drafter(seed: int = 0) -> DFlashDrafter:
-    """Every weight random and visible in the output: convolutions far from the identity, norms away from 1."""
     torch.manual_seed(seed)
-    model = DFlashDrafter(dflash2_config(), attention_backend="sdpa_dense")
+    return randomized(DFlashDrafter(dflash2_config(), attention_backend="sdpa_dense"))
+
+
+def randomized(model: DFlashDrafter) -> DFlashDrafter:
+    """Every weight random and visible in the output: convolutions far from the identity, norms away from 1."""
     model.reset_parameters(std=0.2)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -529,3 +529,134 @@ def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_
     assert (
         not any("epoch limit" in line or line.startswith("status") for line in short) and "steps      2   " in short[2]
     )
+
+
+# ---- DFlash-2 (`--arch dflash2`): the same stores, the convolution + selector drafter, its loss
+
+
+def dflash2_config(store: Path, out: Path, **kw) -> TrainConfig:
+    # a rank and top-k below the released 256/16 keep the CPU steps fast; the conv defaults fit hidden 64
+    return replace(base_config(store, out), arch="dflash2", selector_rank=32, selector_top_k=8, **kw)
+
+
+def test_dflash2_options_are_checked():
+    from dflash_pipeline.shared.runtime.config import ConfigError
+
+    base = TrainConfig(store="s", out="o")
+    assert (base.arch, base.conv_kernel_size, base.conv_group_size, base.selector_rank, base.selector_top_k) == (
+        "dflash",
+        2,
+        16,
+        256,
+        16,
+    )
+    assert base.selector_loss_weight == 1.0 and list(base.to_dict())[-6:] == [
+        "arch",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "selector_loss_weight",
+    ]
+    for bad, option in [
+        (dict(arch="dflash3"), "--arch"),
+        (dict(selector_loss_weight=-0.5), "--selector-loss-weight"),
+        (dict(conv_kernel_size=0), "--conv-kernel-size"),
+        (dict(selector_top_k=0), "--selector-top-k"),
+    ]:
+        with pytest.raises(ConfigError, match=option):
+            TrainConfig(store="s", out="o", **bad)
+
+
+def test_dflash2_group_size_must_divide_the_target_hidden_size(store_dir, tmp_path):
+    from dflash_pipeline.shared.runtime.config import ConfigError
+
+    store = FeatureStore(store_dir)
+    with pytest.raises(ConfigError, match=r"^--conv-group-size 24 does not divide the target's hidden size 64$"):
+        build_model(dflash2_config(store_dir, tmp_path / "run", conv_group_size=24), store, torch.device("cpu"))
+    model, _ = build_model(base_config(store_dir, tmp_path / "run", conv_group_size=24), store, torch.device("cpu"))
+    assert model.config.arch == "dflash" and model.candidate_selector is None  # ignored with --arch dflash
+
+
+def test_dflash2_loss_is_ce_plus_weighted_selector_term(store_dir, tmp_path):
+    """pack_loss on a DFlash-2 drafter: the CE plus --selector-loss-weight times the selector's term,
+    with each block's anchor token as the predecessor of its first draft."""
+    store = FeatureStore(store_dir)
+    cfg = dflash2_config(store_dir, tmp_path / "run")
+    model, head = build_model(cfg, store, torch.device("cpu"))
+    assert model.config.arch == "dflash2" and model.config.selector_top_k == 8
+    spec = PackSpec.for_drafter(model.config, cfg.pack_tokens, cfg.num_blocks, 512)
+    batch = build_batch(store, plan_packs(np.arange(len(store)), np.asarray(store.lengths), 256, 0, 0)[:1], spec, 0, 0)
+    with torch.no_grad():
+        one = pack_loss(model, head, batch, 4.0, 1.0)
+        half = pack_loss(model, head, batch, 4.0, 0.5)
+    stats = one[2]
+    assert stats["selector"] > 0 and torch.equal(one[1], half[1])
+    torch.testing.assert_close(one[0], (stats["ce"] + stats["selector"]) * one[1])
+    torch.testing.assert_close(half[0], (stats["ce"] + 0.5 * stats["selector"]) * one[1])
+
+    from dflash_pipeline.shared.model.loss import SelectorWeights, selector_loss
+    from dflash_pipeline.train.step import drafter_hidden
+
+    B, mask = model.config.block_size, model.config.mask_token_id
+    blocks, valid = batch["block_ids"].view(-1, B), batch["block_valid"].view(-1)
+    assert (blocks[:, 1:] == mask).all() and (blocks[valid, 0] != mask).all()  # position 0: the anchor token
+
+    def selector_term(anchor_ids):
+        with torch.no_grad():
+            hidden = drafter_hidden(model, head, batch)
+            weights = SelectorWeights.of(model.candidate_selector)
+            return selector_loss(weights, hidden, batch["labels"], anchor_ids, head.lm_head, B, 4.0, 8)[1]["selector"]
+
+    assert torch.equal(selector_term(batch["block_ids"][:, ::B]), stats["selector"])
+    assert not torch.equal(selector_term(torch.full_like(blocks[:, 0], mask)), stats["selector"])
+
+
+def test_dflash2_training_reduces_loss_and_saves_the_reference_model(store_dir, tmp_path):
+    ref = pytest.importorskip("dflash.model")
+    out = tmp_path / "run"
+    result = run_training(dflash2_config(store_dir, out, max_steps=25, lr=3e-3, eval_every=25))
+    got = losses(out)
+    assert sorted(got) == list(range(1, 26))
+    assert np.mean([got[s] for s in range(21, 26)]) < np.mean([got[s] for s in range(1, 6)]) - 0.1, got
+    assert result.eval_tau is not None and result.eval_tau >= 1.0
+    assert json.loads((out / "train_config.json").read_text())["arch"] == "dflash2"
+    model, info = ref.DFlash2DraftModel.from_pretrained(out / "drafter", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert json.loads((out / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    assert model.config.dflash_config["selector_rank"] == 32
+
+
+def test_dflash2_resume_continues_with_identical_losses(store_dir, tmp_path):
+    """A DFlash-2 run cut after its step-2 checkpoint and resumed ends as the uninterrupted run did, to
+    the bit; resuming it as --arch dflash is refused (the saved drafter is a DFlash-2 one)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    cfg = dflash2_config(store_dir, tmp_path / "a", max_steps=4, checkpoint_every=2, eval_every=2)
+    run_training(cfg)
+    crashed = tmp_path / "b"
+    shutil.copytree(cfg.out, crashed)
+    shutil.rmtree(crashed / "drafter")
+    shutil.rmtree(crashed / "checkpoints" / "step-00000004")
+    (crashed / "checkpoints" / "latest").write_text("step-00000002")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
+    with pytest.raises(TrainingError, match="drafter config differs"):
+        run_training(replace(cfg, out=str(crashed), resume=True, arch="dflash"))
+    run_training(replace(cfg, out=str(crashed), resume=True))
+
+    def metric(run: Path) -> list[dict]:
+        return [
+            {k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
+
+    assert [m["step"] for m in metric(crashed) if "loss" in m] == [1, 2, 3, 4]
+    assert_same_bits(metric(crashed), metric(Path(cfg.out)), "metrics")
+    assert_same_bits(
+        load_file(crashed / "drafter" / "model.safetensors"),
+        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
+        "drafter",
+    )

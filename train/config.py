@@ -67,6 +67,22 @@ class TrainConfig:
     keep_checkpoints: int = option(2, range=(1, None))
     resume: bool = option(False, help="Continue from the latest checkpoint in --out.")
     target: str | None = option(None, help="Optional: refuse the store unless it was extracted from this target.")
+    # drafter architecture (appended last: train_config.json's earlier keys keep their order)
+    arch: str = option(
+        "dflash",
+        choices=("dflash", "dflash2"),
+        help="dflash: DFlashDraftModel; dflash2: DFlash2DraftModel (block convolutions, candidate selector).",
+    )
+    # DFlash-2 only (ignored with --arch dflash); defaults of a released DFlash-2 drafter
+    conv_kernel_size: int = option(2, range=(1, None), help="DFlash-2: causal convolution kernel size.")
+    conv_group_size: int = option(
+        16, range=(1, None), help="DFlash-2: channels per convolution group (must divide the target hidden size)."
+    )
+    selector_rank: int = option(256, range=(1, None), help="DFlash-2: rank of the candidate selector's codebooks.")
+    selector_top_k: int = option(16, range=(1, None), help="DFlash-2: draft candidates the selector re-ranks.")
+    selector_loss_weight: float = option(
+        1.0, range=(0, None), help="DFlash-2: weight of the selector's loss next to the draft CE."
+    )
 
     def __post_init__(self) -> None:
         check_options(self)

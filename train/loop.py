@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_pipeline.shared.model.config import DFlashConfig
+from dflash_pipeline.shared.model.config import DFLASH2_KEYS, DFlashConfig
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
 from dflash_pipeline.shared.model.loss import default_gamma
 from dflash_pipeline.shared.model.target_head import TargetHead
 from dflash_pipeline.shared.runtime.cluster import Cluster, group_timeout
+from dflash_pipeline.shared.runtime.config import ConfigError
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.runtime.progress import progress_bar
 from dflash_pipeline.shared.store.layout import StoreLayout
@@ -111,16 +112,30 @@ def from_rank0(
     return values.cpu().numpy()
 
 
+def dflash2_settings(cfg: TrainConfig, target_config) -> dict[str, int]:
+    """The DFlash-2 fields of the drafter config (none for --arch dflash), checked against the target."""
+    if cfg.arch != "dflash2":
+        return {}
+    hidden, vocab = target_config.hidden_size, target_config.vocab_size
+    if hidden % cfg.conv_group_size:
+        raise ConfigError(f"--conv-group-size {cfg.conv_group_size} does not divide the target's hidden size {hidden}")
+    if cfg.selector_top_k > vocab:
+        raise ConfigError(f"--selector-top-k {cfg.selector_top_k} exceeds the target's vocabulary of {vocab}")
+    return {name: getattr(cfg, name) for name in DFLASH2_KEYS}
+
+
 def build_model(cfg: TrainConfig, store: FeatureStore, device: torch.device) -> tuple[DFlashDrafter, TargetHead]:
     """The drafter, freshly initialised from `cfg.seed`, with the attention backend it trains and
     evaluates with; and the target's frozen embedding and LM head. Its config is the one source of the
     block size and mask token from here on."""
+    target_config = load_target_config(store)
     dcfg = DFlashConfig.for_target(
-        load_target_config(store),
+        target_config,
         store.layer_ids,
         num_layers=cfg.num_layers,
         block_size=cfg.block_size,
         mask_token_id=resolve_mask_token(store, cfg.mask_token_id),
+        **dflash2_settings(cfg, target_config),
     )
     torch.manual_seed(cfg.seed)
     model = DFlashDrafter(dcfg, attention_backend=backend_for(cfg, device)).to(device)
@@ -295,7 +310,7 @@ class Trainer:
         the all-rank sums [loss sum, grad norm, correct per position..., labelled per position...]."""
         self.model.train()
         with self.autocast():
-            loss_sum, weight, stats = pack_loss(ddp, self.head, batch, self.gamma)
+            loss_sum, weight, stats = pack_loss(ddp, self.head, batch, self.gamma, self.cfg.selector_loss_weight)
         (global_weight,) = all_sum([float(weight)], self.device)
         loss = loss_sum * (self.world / max(global_weight, 1e-12))
         self.optimizer.zero_grad(set_to_none=True)
@@ -337,7 +352,7 @@ class Trainer:
         for pack in self.eval_packs:
             batch = to_device(build_batch(self.store, [pack], self.spec, self.cfg.seed, EVAL_EPOCH), self.device)
             with self.autocast():
-                _, _, stats = pack_loss(self.model, self.head, batch, self.gamma)
+                _, _, stats = pack_loss(self.model, self.head, batch, self.gamma, self.cfg.selector_loss_weight)
             accepted = block_acceptance(batch, stats["pred"], self.spec.block_size)
             total += float(accepted.sum())
             count += accepted.numel()

@@ -6,7 +6,7 @@ import torch
 
 from dflash_pipeline.shared.model.attention import build_block_mask, dense_mask
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
-from dflash_pipeline.shared.model.loss import acceptance_length, dflash_loss
+from dflash_pipeline.shared.model.loss import SelectorWeights, acceptance_length, dflash_loss, selector_loss
 from dflash_pipeline.shared.model.target_head import TargetHead
 
 FLEX_BACKENDS = ("flex_compiled", "flex_eager")
@@ -44,28 +44,44 @@ def drafter_hidden(model, head: TargetHead, batch: dict[str, torch.Tensor]) -> t
     return model(context, embeds, batch["context_positions"], batch["block_positions"], mask)
 
 
-def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: float):
-    """Weighted CE of a batch: (sum of w*ce, sum of w, per-position stats incl. predictions).
+def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: float, selector_loss_weight: float = 1.0):
+    """Weighted CE of a batch: (sum of w*ce, sum of w, per-position stats incl. predictions); for a
+    DFlash-2 drafter the CE plus `selector_loss_weight` times its selector's loss (`selector_loss`).
 
     The sum (not the mean) is returned so the caller can normalise by the weight of all ranks.
+    `stats["pred"]` is the LM head's argmax in both cases (not the selector's choice).
     """
     core: DFlashDrafter = getattr(model, "module", model)
     cfg = core.config
     hidden = drafter_hidden(model, head, batch)
-    mean, stats = dflash_loss(
-        hidden,
-        batch["labels"],
-        head.lm_head.to(hidden.dtype),
-        cfg.block_size,
-        gamma,
-        output_multiplier=cfg.output_multiplier,
-        softcap=cfg.final_logit_softcapping,
-    )
+    lm_head = head.lm_head.to(hidden.dtype)
+    common = dict(output_multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
+    if cfg.arch == "dflash2":
+        # the anchor token opens each block: it is the selector's teacher-forced predecessor at k = 1
+        anchor_ids = batch["block_ids"].reshape(-1, cfg.block_size)[:, 0]
+        mean, stats = selector_loss(
+            SelectorWeights.of(core.candidate_selector),
+            hidden,
+            batch["labels"],
+            anchor_ids,
+            lm_head,
+            cfg.block_size,
+            gamma,
+            cfg.selector_top_k,
+            selector_loss_weight=selector_loss_weight,
+            **common,
+        )
+    else:
+        mean, stats = dflash_loss(hidden, batch["labels"], lm_head, cfg.block_size, gamma, **common)
     return mean * stats["weight_sum"], stats["weight_sum"], stats
 
 
 def block_acceptance(batch: dict[str, torch.Tensor], pred: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Accepted tokens per valid block (1 + leading correct drafts) against the stored ground truth."""
+    """Accepted tokens per valid block (1 + leading correct drafts) against the stored ground truth.
+
+    `pred` is `pack_loss`'s argmax prediction for DFlash-2 too: its stats do not carry the selector's
+    choice (the loss scores candidates with the label injected, which an honest choice must not see),
+    so a DFlash-2 drafter is judged here by its LM-head drafts alone, without the selector's re-ranking."""
     labels = batch["labels"].reshape(-1, block_size)
     valid = batch["block_valid"].reshape(-1)
     return acceptance_length(pred.reshape(-1, block_size)[valid], labels[valid]).float()

@@ -8,6 +8,10 @@ so the output is exactly the target's greedy output (lossless). Sampled: standar
 sampling (accept draft x with probability min(1, p(x)/q(x)), resample the first rejected position
 from max(0, p - q)), so the output has the target's sampling distribution.
 
+DFlash-2 drafters (a candidate selector) draft the selector's path instead of each position's argmax
+or sample: greedy, its argmax path; sampled, a path drawn position by position from the selector's
+softmax over the candidates, which is then the q of the rejection rule (as in the reference).
+
 Step counting follows the reference (z-lab `dflash` 0.1.0 `dflash_generate`): the last block only
 drafts as many tokens as are left, a step counts the tokens it adds to the output (none past
 `max_new_tokens`, none after a stop token), and the first token, from the prompt's forward, is no step.
@@ -65,6 +69,27 @@ def _speculative_sample(
         return n, int(_draw(p[n], generator))
     residual = (p[n_ok] - q[n_ok]).clamp_min(0)
     return n_ok, int(_draw(residual if residual.sum() > 0 else p[n_ok], generator))
+
+
+def _selector_draft(
+    drafter: DFlashDrafter,
+    hidden: torch.Tensor,
+    anchor: torch.Tensor,
+    lm_head: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A DFlash-2 block's drafts [L] (`propose` on the block's hidden states [1, L, H] after `anchor`
+    [1]) and, sampled, the distribution q [L, V] they were drawn from, as the reference's
+    `dflash_generate` and `_rejection_sample` use it: each position's softmax(selector scores / T)
+    over its k candidates (no top-k / top-p of the sampling settings: those filter the target's p
+    only), zero off the candidates. The candidates of a position are distinct (top-k), so q(x) and
+    p - q are exactly the reference's masked sum and scatter-add."""
+    path, candidates, probs = drafter.propose(hidden, anchor, lm_head.to(hidden.dtype), sampling.temperature, generator)
+    if sampling.greedy:
+        return path[0], None
+    q = torch.zeros(probs.shape[1], lm_head.shape[0], dtype=probs.dtype, device=probs.device)
+    return path[0], q.scatter_(-1, candidates[0], probs[0])
 
 
 def _sync(device: torch.device) -> None:
@@ -159,12 +184,15 @@ def dflash_generate(
             positions,
             draft_cache,
         )
-        draft_logits = drafter.compute_logits(hidden[:, 1:], lm_head.to(hidden.dtype))[0]
-        if sampling.greedy:
-            block[0, 1:] = draft_logits.argmax(-1)
+        if drafter.candidate_selector is not None:  # DFlash-2: the selector's path after the anchor
+            block[0, 1:], q = _selector_draft(drafter, hidden[:, 1:], block[:, 0].clone(), lm_head, sampling, generator)
         else:
-            q = filtered_probs(draft_logits, sampling)
-            block[0, 1:] = _draw(q, generator)
+            draft_logits = drafter.compute_logits(hidden[:, 1:], lm_head.to(hidden.dtype))[0]
+            if sampling.greedy:
+                block[0, 1:] = draft_logits.argmax(-1)
+            else:
+                q = filtered_probs(draft_logits, sampling)
+                block[0, 1:] = _draw(q, generator)
         out = target(input_ids=block, **kv, use_cache=True)
         drafts = block[0, 1:]
         if sampling.greedy:

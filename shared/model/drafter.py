@@ -218,10 +218,17 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
 
     def select(
-        self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float = 0.0
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """hidden [b, L, H], logits [b, L, V], anchor ids [b] -> (drafted ids [b, L], candidates
-        [b, L, k], and at temperature > 0 the sampling probabilities over the candidates [b, L, k])."""
+        [b, L, k], and at temperature > 0 the sampling probabilities over the candidates [b, L, k]).
+        At temperature > 0 each position draws one multinomial from `generator` (None: torch's global
+        one, as the reference does), left to right."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
         weights = SelectorWeights.of(self)
         previous, path, probs = anchor_ids, [], []
@@ -229,7 +236,7 @@ class CandidateSelector(nn.Module):
             scores = selector_scores(weights, hidden[:, t], unary[:, t], candidates[:, t], previous)
             if temperature > 0:
                 probs.append(torch.softmax(scores.float() / temperature, dim=-1))
-                index = torch.multinomial(probs[-1], 1)[:, 0]
+                index = torch.multinomial(probs[-1], 1, generator=generator)[:, 0]
             else:
                 index = scores.argmax(dim=-1)
             previous = candidates[:, t].gather(-1, index[:, None])[:, 0]
@@ -433,14 +440,19 @@ class DFlashDrafter(nn.Module):
         )
 
     def propose(
-        self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight: torch.Tensor, temperature: float = 0.0
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """DFlash-2's draft of a block: the selector's path over the top-k logits of `hidden` [b, L, H]
         after the anchors [b] (see `CandidateSelector.select`)."""
         if self.candidate_selector is None:
             raise ValueError("propose needs a DFlash-2 drafter (a candidate selector)")
         logits = self.compute_logits(hidden, lm_head_weight)
-        return self.candidate_selector.select(hidden, logits, anchor_ids, temperature)
+        return self.candidate_selector.select(hidden, logits, anchor_ids, temperature, generator)
 
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
         """config.json + model.safetensors in the reference layout (weights cast to `dtype` if set)."""
