@@ -162,3 +162,25 @@ def test_selector_loss_refuses_bad_arguments():
         selector_loss(weights, hidden, labels, anchors, head, B, 2.0, V + 1)
     with pytest.raises(ValueError, match="anchor_ids"):
         selector_loss(weights, hidden, labels, anchors[:1], head, B, 2.0, K)
+
+
+def test_pred_is_the_selectors_own_choice_among_the_top_k_without_the_label():
+    """What acceptance is counted from: the selector's argmax over the real top-K after the
+    teacher-forced predecessor, which is what it drafts along an accepted run."""
+    sel, hidden, head, labels, anchors = example()
+    with torch.no_grad():
+        sel.successor_codebook.weight.mul_(5.0)  # a pairwise term that re-ranks
+    _, stats = selector_loss(SelectorWeights.of(sel), hidden, labels, anchors, head, B, 2.0, K)
+    P, S, W = sel.predecessor_codebook.weight, sel.successor_codebook.weight, sel.hidden_projection.weight
+    reranked = 0
+    for q in range(labels.shape[1]):
+        k = q % B
+        prev = int(anchors[q // B]) if k == 1 else int(labels[0, q - 1])
+        if labels[0, q] == X or prev == X:
+            continue
+        logits = head @ hidden[0, q]
+        cand = logits.topk(K).indices
+        scores = logits[cand] + ((P[prev] * (W @ hidden[0, q]))[None] * S[cand]).sum(-1)
+        assert int(stats["pred"][0, q]) == int(cand[scores.argmax()]), q
+        reranked += int(cand[scores.argmax()]) != int(logits.argmax())
+    assert reranked > 0

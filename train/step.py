@@ -77,11 +77,8 @@ def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: fl
 
 
 def block_acceptance(batch: dict[str, torch.Tensor], pred: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Accepted tokens per valid block (1 + leading correct drafts) against the stored ground truth.
-
-    `pred` is `pack_loss`'s argmax prediction for DFlash-2 too: its stats do not carry the selector's
-    choice (the loss scores candidates with the label injected, which an honest choice must not see),
-    so a DFlash-2 drafter is judged here by its LM-head drafts alone, without the selector's re-ranking."""
+    """Accepted tokens per valid block (1 + leading correct drafts) against the stored ground truth;
+    `pred` is `pack_loss`'s prediction (for DFlash-2 the selector's choice, see `selector_loss`)."""
     labels = batch["labels"].reshape(-1, block_size)
     valid = batch["block_valid"].reshape(-1)
     return acceptance_length(pred.reshape(-1, block_size)[valid], labels[valid]).float()

@@ -70,7 +70,7 @@ def _labeled_rows(hidden: torch.Tensor, labels: torch.Tensor, block_size: int, g
 def _prediction_stats(
     labels, flat_labels, rows, row_position, preds, block_size, weight_sum
 ) -> dict[str, torch.Tensor]:
-    """`dflash_loss`'s stats from the per-chunk argmax predictions of the labeled rows; `pred` is shaped like `labels`."""
+    """`dflash_loss`'s stats from the per-chunk predictions of the labeled rows; `pred` is shaped like `labels`."""
     row_labels = flat_labels[rows]
     row_pred = torch.cat(preds) if preds else row_labels.clone()
     pred = torch.full_like(flat_labels, -1)
@@ -195,15 +195,18 @@ def _chunk_selector_loss(
 ):
     logits = compute_logits(hidden, lm_head_weight, output_multiplier=output_multiplier, softcap=softcap).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
-    candidates = logits.topk(top_k, dim=-1).indices  # sorted: the last one scores lowest
-    missing = (candidates != labels[:, None]).all(dim=-1)
-    last = torch.where(missing, labels, candidates[:, -1])
-    candidates = torch.cat([candidates[:, :-1], last[:, None]], dim=1)  # label injection
-    target = (candidates == labels[:, None]).long().argmax(dim=-1)
+    top = logits.topk(top_k, dim=-1).indices  # sorted: the last one scores lowest
     selector = SelectorWeights(predecessor_codebook, successor_codebook, hidden_projection)
+    with torch.no_grad():  # the selector's own choice, blind to the label: what it would draft
+        honest = selector_scores(selector, hidden, logits.gather(1, top), top, predecessors)
+        choice = top.gather(1, honest.argmax(dim=-1, keepdim=True))[:, 0]
+    missing = (top != labels[:, None]).all(dim=-1)
+    last = torch.where(missing, labels, top[:, -1])
+    candidates = torch.cat([top[:, :-1], last[:, None]], dim=1)  # label injection
+    target = (candidates == labels[:, None]).long().argmax(dim=-1)
     scores = selector_scores(selector, hidden, logits.gather(1, candidates), candidates, predecessors)
     selector_ce = F.cross_entropy(scores, target, reduction="none")
-    return (ce * weights).sum(), (selector_ce * selector_weights).sum(), logits.argmax(dim=-1)
+    return (ce * weights).sum(), (selector_ce * selector_weights).sum(), choice
 
 
 def selector_loss(
@@ -233,7 +236,10 @@ def selector_loss(
     hidden [b, Q, H] (drafter states; [N, B, H] is b = N, Q = B), labels [b, Q], anchor_ids
     [b * Q / B]. The logits are made `chunk_tokens` rows at a time under checkpointing, as in
     `dflash_loss`, and serve both terms. The LM head is frozen. stats: `dflash_loss`'s, plus `ce` and
-    `selector` (the two terms, each over `weight_sum`, detached: loss = ce + weight * selector).
+    `selector` (the two terms, each over `weight_sum`, detached: loss = ce + weight * selector);
+    `pred` is the selector's own greedy choice among the top-`top_k` (no label injected) after the
+    teacher-forced predecessor, which along an accepted run is the token it drafts at inference, so
+    the acceptance counted from it is the selector's.
     """
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight must be frozen (requires_grad=False)")
