@@ -107,57 +107,16 @@ def main(out: str, steps: int) -> None:
             "--resume",
         ],
     )
-    evaluation = root / "eval.json"
-    run_step(
-        "speculative decoding check",
-        [
-            sys.executable,
-            "-m",
-            "dflash_pipeline.train.eval_cli",
-            "--target",
-            str(target),
-            "--drafter",
-            str(run / "drafter"),
-            "--prompts",
-            str(sample_corpus_path()),
-            "--limit",
-            "4",
-            "--max-new-tokens",
-            "32",
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--json",
-            str(evaluation),
-        ],
-    )
-    sampled_evaluation = root / "eval_t1.json"
+    evaluate = [
+        sys.executable, "-m", "dflash_pipeline.train.eval_cli", "--target", str(target),
+        "--drafter", str(run / "drafter"), "--prompts", str(sample_corpus_path()), "--limit", "4",
+        "--max-new-tokens", "32", "--device", "cpu", "--dtype", "float32",
+    ]  # fmt: skip
+    evaluation, sampled_evaluation = root / "eval.json", root / "eval_t1.json"
+    run_step("speculative decoding check", [*evaluate, "--json", str(evaluation)])
     run_step(
         "speculative sampling at temperature 1",
-        [
-            sys.executable,
-            "-m",
-            "dflash_pipeline.train.eval_cli",
-            "--target",
-            str(target),
-            "--drafter",
-            str(run / "drafter"),
-            "--prompts",
-            str(sample_corpus_path()),
-            "--limit",
-            "4",
-            "--max-new-tokens",
-            "32",
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--temperature",
-            "1",
-            "--json",
-            str(sampled_evaluation),
-        ],
+        [*evaluate, "--temperature", "1", "--json", str(sampled_evaluation)],
     )
     run_step("report", [sys.executable, "-m", "dflash_pipeline.train.report", "--run", str(run)])
     spec = json.loads(evaluation.read_text())

@@ -168,50 +168,14 @@ def test_bad_record_fails_with_file_and_line_and_store_stays_incomplete(tiny_tar
     with open(data, "a") as f:
         f.write("{not json\n")
     out = tmp_path / "store"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_pipeline.extract.cli",
-            "--target",
-            str(tiny_target_dir),
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-            "--max-length",
-            "128",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    args = ("--target", str(tiny_target_dir), "--data", str(data), "--device", "cpu", "--max-length", "128")
+    proc = run_cli(*args, "--out", str(out))
     assert proc.returncode == 1
     err = proc.stderr.strip().splitlines()[-1]
     assert "corpus.jsonl:6" in err, err
     assert not load_manifest(out).complete
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dflash_pipeline.extract.cli",
-            "--target",
-            str(tiny_target_dir),
-            "--data",
-            str(data),
-            "--out",
-            str(tmp_path / "store2"),
-            "--device",
-            "cpu",
-            "--max-length",
-            "128",
-            "--skip-bad",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_cli(*args, "--out", str(tmp_path / "store2"), "--skip-bad")
     assert proc.returncode == 0, proc.stderr
     m = load_manifest(tmp_path / "store2")
     assert m.complete and m.data["counts"]["samples"] == 5

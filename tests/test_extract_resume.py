@@ -18,34 +18,16 @@ from dflash_pipeline.shared.store.reader import stores_equal
 pytestmark = pytest.mark.slow
 
 
+# small batches in small shards, so a run commits many batches a kill can land between
+SMALL_BATCHES = ["--max-length", "96", "--batch-tokens", "96", "--max-batch-size", "2", "--chunk-tokens", "16",
+                 "--shard-tokens", "64", "--layers", "0,1,3"]  # fmt: skip
+
+
 def command(target: Path, data: Path, out: Path) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "dflash_pipeline.extract.cli",
-        "--target",
-        str(target),
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--device",
-        "cpu",
-        "--workers",
-        "2",
-        "--max-length",
-        "96",
-        "--batch-tokens",
-        "96",
-        "--max-batch-size",
-        "2",
-        "--chunk-tokens",
-        "16",
-        "--shard-tokens",
-        "64",
-        "--layers",
-        "0,1,3",
-    ]
+        sys.executable, "-m", "dflash_pipeline.extract.cli", "--target", str(target), "--data", str(data),
+        "--out", str(out), "--device", "cpu", "--workers", "2", *SMALL_BATCHES,
+    ]  # fmt: skip
 
 
 def committed_batches(out: Path) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_extract_resume import SMALL_BATCHES, committed_batches
 
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.shared.runtime.launch import free_port
@@ -21,20 +22,6 @@ from dflash_pipeline.shared.store.manifest import load_manifest
 from dflash_pipeline.shared.store.reader import stores_equal
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-EXTRACT_ARGS = [
-    "--max-length",
-    "96",
-    "--batch-tokens",
-    "96",
-    "--max-batch-size",
-    "2",
-    "--chunk-tokens",
-    "16",
-    "--shard-tokens",
-    "64",
-    "--layers",
-    "0,1,3",
-]
 TRAIN_ARGS = [
     "--device",
     "cpu",
@@ -139,17 +126,7 @@ def signal_node(node: subprocess.Popen, sig: int) -> None:
 
 
 def extract_args(target: Path, data: Path, out: Path | str, *extra: str) -> list[str]:
-    return ["--target", str(target), "--data", str(data), "--out", str(out), *EXTRACT_ARGS, *extra]
-
-
-def committed_batches(out: Path) -> int:
-    total = 0
-    for p in (out / "shards").glob("rank-*.progress.json"):
-        try:
-            total += json.loads(p.read_text()).get("batches", 0)
-        except (OSError, ValueError):
-            pass
-    return total
+    return ["--target", str(target), "--data", str(data), "--out", str(out), *SMALL_BATCHES, *extra]
 
 
 def wait_for_batches(nodes: list[subprocess.Popen], out: Path, n: int) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_train import TRAIN_ARGS as TINY_DRAFTER_ARGS
+from test_train import base_config
 
 from dflash_pipeline.extract.cli import main as extract_main
 from dflash_pipeline.extract.config import ExtractConfig
@@ -21,24 +23,7 @@ from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.eval_cli import main as eval_main
 from dflash_pipeline.train.run import run_training
 
-TRAIN_ARGS = [
-    "--device",
-    "cpu",
-    "--num-layers",
-    "1",
-    "--block-size",
-    "8",
-    "--pack-tokens",
-    "256",
-    "--num-blocks",
-    "16",
-    "--eval-samples",
-    "4",
-    "--loader-workers",
-    "0",
-    "--max-steps",
-    "1",
-]
+TRAIN_ARGS = [*TINY_DRAFTER_ARGS, "--max-steps", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +45,7 @@ def store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def drafter(store, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run") / "run"
-    run_training(
-        TrainConfig(
-            store=str(store),
-            out=str(out),
-            device="cpu",
-            num_layers=1,
-            block_size=8,
-            pack_tokens=256,
-            num_blocks=16,
-            eval_samples=4,
-            loader_workers=0,
-            max_steps=1,
-        )
-    )
+    run_training(base_config(store, out, max_steps=1))
     return out / "drafter"
 
 

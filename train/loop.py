@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -360,7 +361,9 @@ class Trainer:
         self.model.train()
         return total / count if count else float("nan")
 
+    @cached_property
     def target_identity(self) -> TargetIdentity:
+        """Written beside every checkpoint and the drafter; read from the store once."""
         return TargetIdentity.of_store(self.store.root, self.store.manifest.target)
 
     def save_checkpoint(self) -> None:
@@ -373,7 +376,7 @@ class Trainer:
                 self.scheduler,
                 self.state,
                 self.cfg.keep_checkpoints,
-                self.target_identity(),
+                self.target_identity,
             )
         if self.cluster is not None:
             self.cluster.meet(f"checkpoint-{self.state.step}")
@@ -381,7 +384,7 @@ class Trainer:
     def save_drafter(self) -> None:
         """Rank 0 writes the trained drafter to OUT/drafter; every rank meets after it."""
         if self.rank == 0:
-            ckpt.save_drafter(self.model, self.out / "drafter", self.target_identity())
+            ckpt.save_drafter(self.model, self.out / "drafter", self.target_identity)
         if self.cluster is not None:
             self.cluster.meet("drafter-saved")
 
