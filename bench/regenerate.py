@@ -225,7 +225,7 @@ def stats_of_call(before: dict, after: dict) -> dict:
     }
 
 
-def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device) -> dict:
+def run_engine(model, prompts, lengths, batch: int, sampled: bool, bucket_step: int, args, device) -> dict:
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
@@ -241,6 +241,7 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device)
         max_request_tokens=args.max_request_tokens or capacity,
         page_size=args.page_size,
         cuda_graphs=graphs,
+        graph_bucket_step=bucket_step,
     )
     t = time.perf_counter()
     engine = GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings)
@@ -265,6 +266,7 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device)
     row = {
         "contender": "engine",
         "batch": batch,
+        "bucket_step": bucket_step,
         "sampling": "sampled" if sampled else "greedy",
         "requests": len(requests),
         "drawn_tokens": sum(lengths),
@@ -293,8 +295,8 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, args, device)
 
 def profile_prefill(model, prompts, n: int, args, device) -> dict:
     """torch.profiler over one admission's prefill of the first `n` prompts (each asks for one token,
-    so the call is the prefill alone), after one unprofiled call of the same shape: where its time
-    goes, by operator (self device time and self host time)."""
+    so the call is the prefill alone), after two unprofiled calls of the same shape (a warm-up, then
+    one timed): where its time goes, by operator (self device time and self host time)."""
     from torch.profiler import ProfilerActivity, profile
 
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
@@ -309,8 +311,12 @@ def profile_prefill(model, prompts, n: int, args, device) -> dict:
     )
     engine = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings)
     engine.generate(requests)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
+    t = time.perf_counter()
+    engine.generate(requests)
+    sync(device)
+    unprofiled = time.perf_counter() - t
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     t = time.perf_counter()
     with profile(activities=activities) as prof:
         engine.generate(requests)
@@ -335,6 +341,7 @@ def profile_prefill(model, prompts, n: int, args, device) -> dict:
         "prompts": n,
         "prompt_tokens": sum(len(p) for p in prompts[:n]),
         "seconds": seconds,
+        "seconds_unprofiled": unprofiled,
         "by_device_time": top(device_key),
         "by_host_time": top("self_cpu_time_total"),
     }
@@ -535,6 +542,13 @@ def parse_args(argv=None):
     )
     ap.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
     ap.add_argument(
+        "--bucket-step",
+        type=int,
+        action="append",
+        default=None,
+        help="engine graph_bucket_step, repeatable: one engine run per value [default: the engine's]",
+    )
+    ap.add_argument(
         "--warmup-requests", type=int, default=256, help="requests in each warm-up call (8 new tokens each)"
     )
     ap.add_argument(
@@ -592,6 +606,9 @@ def parse_args(argv=None):
     args.mean_prompt = args.mean_prompt or max(args.min_prompt, 300 * scale_p)
     args.mean_reply = args.mean_reply or max(1.0, 500 * args.max_reply / 1024)
     args.batch = args.batch or [256]
+    from dflash_pipeline.shared.generation.engine import EngineSettings
+
+    args.bucket_step = args.bucket_step or [EngineSettings.graph_bucket_step]
     args.baseline_batch = [] if args.skip_baseline else (args.baseline_batch or [32, 256])
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error("need 1 <= --min-prompt <= --max-prompt")
@@ -677,15 +694,41 @@ def main(argv=None) -> dict:
             free(device)
             save_partial()
 
-    for batch in args.batch:
-        for sampled in [False, True] if args.sampled else [False]:
-            row = attempt(
-                f"engine batch {batch}{' sampled' if sampled else ''}",
-                lambda batch=batch, sampled=sampled: run_engine(model, prompts, lengths, batch, sampled, args, device),
+    if args.profile_prefill:
+        profiled = attempt(
+            "profile prefill", lambda: profile_prefill(model, prompts, args.profile_prefill, args, device)
+        )
+        if profiled:
+            result["prefill_profile"] = profiled
+            print(
+                f"prefill of {profiled['prompts']} prompts ({profiled['prompt_tokens']:,} tokens), profiled: "
+                f"{profiled['seconds'] * 1e3:.0f} ms ({profiled['seconds_unprofiled'] * 1e3:.0f} ms unprofiled)",
+                flush=True,
             )
-            if row:
-                print(f"engine batch {batch} {row['sampling']}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
-                result["engine"].append(row)
+            for what in ("by_device_time", "by_host_time"):
+                print(
+                    f"  top ops {what.replace('_', ' ')}: "
+                    + "; ".join(
+                        f"{r['op']} x{r['calls']} {r['self_device_ms']:.1f}/{r['self_cpu_ms']:.1f} ms"
+                        for r in profiled[what]
+                    )
+                )
+
+    for batch in args.batch:
+        for step in args.bucket_step:
+            for sampled in [False, True] if args.sampled else [False]:
+                row = attempt(
+                    f"engine batch {batch} bucket step {step}{' sampled' if sampled else ''}",
+                    lambda batch=batch, step=step, sampled=sampled: run_engine(
+                        model, prompts, lengths, batch, sampled, step, args, device
+                    ),
+                )
+                if row:
+                    print(
+                        f"engine batch {batch} bucket step {step} {row['sampling']}: {row['tokens_per_s']:,.0f} tok/s",
+                        flush=True,
+                    )
+                    result["engine"].append(row)
     for batch in args.baseline_batch:
         n = min(len(prompts), args.baseline_requests or max(64, batch))
         row = attempt(
@@ -697,26 +740,6 @@ def main(argv=None) -> dict:
         if row:
             print(f"hf_generate batch {batch}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
             result["hf_generate"].append(row)
-
-    if args.profile_prefill:
-        profiled = attempt(
-            "profile prefill", lambda: profile_prefill(model, prompts, args.profile_prefill, args, device)
-        )
-        if profiled:
-            result["prefill_profile"] = profiled
-            print(
-                f"prefill of {profiled['prompts']} prompts ({profiled['prompt_tokens']:,} tokens), profiled: "
-                f"{profiled['seconds'] * 1e3:.0f} ms",
-                flush=True,
-            )
-            for what in ("by_device_time", "by_host_time"):
-                print(
-                    f"  top ops {what.replace('_', ' ')}: "
-                    + "; ".join(
-                        f"{r['op']} x{r['calls']} {r['self_device_ms']:.1f}/{r['self_cpu_ms']:.1f} ms"
-                        for r in profiled[what]
-                    )
-                )
 
     hf = {r["batch"]: r for r in result["hf_generate"]}
     for row in result["engine"]:
@@ -780,7 +803,7 @@ def print_summary(result: dict, args) -> None:
         + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}"
     )
     for r in result["engine"]:
-        line = f"{'engine ' + r['sampling'] + ' B=' + str(r['batch']):<28}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
+        line = f"{'engine ' + r['sampling'] + ' B=' + str(r['batch']) + ' s=' + str(r['bucket_step']):<28}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
         line += "".join(f"{r.get(f'vs_hf_batch{b}', float('nan')):>7.2f}x" for b in hf_batches)
         if "bound_tok_s" in r:
             line += (

@@ -131,3 +131,12 @@ def test_requests_beyond_the_capacity_are_refused(model):
             sampling=SamplingParams(),
             settings=EngineSettings(max_batch=2, max_request_tokens=80, page_size=4, num_pages=10),
         )
+
+
+def test_graph_buckets_pad_rows_to_the_next_multiple_of_the_step():
+    from dflash_pipeline.shared.generation.engine import graph_buckets
+
+    assert graph_buckets(512, 64) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert graph_buckets(512, 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]  # powers of two only
+    assert graph_buckets(100, 64) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert graph_buckets(5, 64) == [1, 2, 4, 5]

@@ -259,3 +259,9 @@ def test_library_callers_asking_for_cuda_are_refused_not_moved_to_the_cpu(
             )
         )
     assert not (tmp_path / "run").exists() and not (tmp_path / "s").exists()
+
+
+def test_more_held_out_samples_than_the_store_has_is_one_line(store, tmp_path):
+    samples = json.loads((store / "manifest.json").read_text())["data"]["counts"]["samples"]
+    args = ["--store", str(store), "--out", str(tmp_path / "r"), *TRAIN_ARGS, "--eval-samples", str(samples)]
+    fails(train_main, args, f"--eval-samples {samples}", f"the store has {samples}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash_pipeline.shared.runtime.config import ConfigError
+
 
 def split_holdout(
     num_samples: int, holdout: int, seed: int, groups: np.ndarray | None = None
@@ -20,7 +22,9 @@ def split_holdout(
     None) the split is exactly the ungrouped one.
     """
     if holdout >= num_samples:
-        raise ValueError(f"--eval-samples {holdout} leaves no training samples (the store has {num_samples})")
+        raise ConfigError(
+            f"--eval-samples {holdout} leaves no training samples: the store has {num_samples}; lower --eval-samples"
+        )
     order = np.random.default_rng([seed, 7919]).permutation(num_samples)
     if groups is None:
         return np.sort(order[holdout:]), np.sort(order[:holdout])

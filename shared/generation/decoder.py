@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.varlen import varlen_attn
 
 from dflash_pipeline.shared.generation.paged_attention import paged_decode_attention
 from dflash_pipeline.shared.runtime.errors import UserError
@@ -105,6 +106,41 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=0)
 
 
+def uses_varlen(x: torch.Tensor) -> bool:
+    """Flash attention's variable-length kernel takes the packed prompts in one call (CUDA, half
+    precision); elsewhere (CPU, float32) each prompt gets its own SDPA call."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def packed_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: list[int],
+    cu_seq: torch.Tensor | None,
+    groups: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention within each of the prompts packed back to back in q [T, heads, D] and k, v
+    [T, kv_heads, D] (prompt i is rows bounds[i]:bounds[i+1]; `cu_seq` the same bounds on the device
+    where `uses_varlen`, else None); returns [T, heads, D]."""
+    if cu_seq is not None:
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
+        return varlen_attn(q, k, v, cu_seq, cu_seq, longest, longest, scale=scale, window_size=(-1, 0))
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, D]
+    out = torch.empty_like(q)
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        out[:, start:stop] = F.scaled_dot_product_attention(
+            q[None, :, start:stop],
+            _repeat_kv(k[:, start:stop], groups)[None],
+            _repeat_kv(v[:, start:stop], groups)[None],
+            is_causal=True,
+            scale=scale,
+        )[0]
+    return out.transpose(0, 1)
+
+
 def attention_inputs(layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
     """q [T, heads, D], k and v [T, kv_heads, D] of one decoder layer: input norm, projections, the
     per-head q/k norms where the architecture has them (Qwen3), rotary positions."""
@@ -170,20 +206,12 @@ class PagedDecoder:
             bounds.append(bounds[-1] + n)
         hidden = self.embed(tokens)
         cos, sin = self._rotary(hidden, positions)
+        cu_seq = torch.tensor(bounds, dtype=torch.int32, device=tokens.device) if uses_varlen(hidden) else None
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, hidden, cos, sin, self.head_dim)
             self._store(i, cache_index, k, v)
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, D]
-            out = torch.empty_like(q)
-            for start, stop in zip(bounds[:-1], bounds[1:]):
-                out[:, start:stop] = F.scaled_dot_product_attention(
-                    q[None, :, start:stop],
-                    _repeat_kv(k[:, start:stop], self.groups)[None],
-                    _repeat_kv(v[:, start:stop], self.groups)[None],
-                    is_causal=True,
-                    scale=self.scaling,
-                )[0]
-            hidden = self._layer_output(layer, hidden, out.transpose(0, 1).reshape(len(tokens), -1))
+            out = packed_causal_attention(q, k, v, bounds, cu_seq, self.groups, self.scaling)
+            hidden = self._layer_output(layer, hidden, out.reshape(len(tokens), -1))
         last = torch.tensor([b - 1 for b in bounds[1:]], device=tokens.device)
         return self._logits(hidden[last])
 
