@@ -50,6 +50,18 @@ def test_dense_mask_hand_example_with_window():
     assert m[4, :10].tolist() == [F_, F_, F_, F_, F_, T, F_, F_, F_, F_]  # anchor 6: 6 - 5 < 2
 
 
+def test_dense_mask_hand_example_causal():
+    """Causal (the reference's `is_causal` layers): block token k sees its block's tokens up to k; the
+    context before the anchor stays visible, and with a window the same window applies."""
+    doc, blocks = hand_pack()
+    m = A.dense_mask(*mask_args(doc, blocks), block_size=4, causal=True)[0, 0]
+    lower = [[T, F_, F_, F_], [T, T, F_, F_], [T, T, T, F_], [T, T, T, T]]
+    assert m[0:4, 10:14].tolist() == lower and m[4:8, 14:18].tolist() == lower
+    assert torch.equal(m[:8, :10], A.dense_mask(*mask_args(doc, blocks), block_size=4)[0, 0, :8, :10])
+    windowed = A.dense_mask(*mask_args(doc, blocks), block_size=4, window=2, causal=True)[0, 0]
+    assert windowed[0:4, 10:14].tolist() == [[T, F_, F_, F_], [T, T, F_, F_], [F_, T, T, F_], [F_, F_, T, T]]
+
+
 def random_layout(seed, batch=2, S=40, N=6, B=4):
     """Random packs: several documents, padding tail, anchors anywhere incl. doc starts, invalid blocks."""
     g = torch.Generator().manual_seed(seed)
@@ -75,11 +87,13 @@ def random_layout(seed, batch=2, S=40, N=6, B=4):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("window", [None, 5])
-def test_mask_mod_equals_dense_mask(seed, window):
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_mod_equals_dense_mask(seed, window, causal):
     S, N, B = 40, 6, 4
     args = random_layout(seed, S=S, N=N, B=B)
-    dense = A.dense_mask(*args, block_size=B, window=window)
-    flex = create_mask(A.dflash_mask_mod(*args, block_size=B, window=window), 2, 1, N * B, S + N * B, device="cpu")
+    dense = A.dense_mask(*args, block_size=B, window=window, causal=causal)
+    mask_mod = A.dflash_mask_mod(*args, block_size=B, window=window, causal=causal)
+    flex = create_mask(mask_mod, 2, 1, N * B, S + N * B, device="cpu")
     assert torch.equal(flex, dense)
     assert not dense[~args[2].repeat_interleave(B, 1)[:, None]].any()  # invalid blocks see nothing
 

@@ -76,6 +76,41 @@ def test_report_draws_a_png_of_loss_and_tau(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_report_draws_dflash2_loss_terms_beside_the_loss(tmp_path, monkeypatch):
+    """A DFlash-2 run's CE and selector terms, in training and held out, are curves of the loss panel;
+    a DFlash run's loss panel is its loss alone."""
+    from matplotlib.axes import Axes
+
+    from dflash_pipeline.train import report
+
+    rows = [{"step": s, "loss": 9.0 / s, "ce_loss": 6.0 / s, "selector_loss": 3.0 / s} for s in range(1, 11)]
+    evals = [{"step": 10, "type": "eval", "tau": 1.5, "ce_loss": 0.7, "selector_loss": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + evals))
+    drawn = {}
+    real_plot = Axes.plot
+
+    def plot(ax, x, y, *args, label=None, **kwargs):
+        drawn[label] = (list(x), list(y))
+        return real_plot(ax, x, y, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    result = CliRunner().invoke(report.main, ["--run", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    steps = list(range(1, 11))
+    assert drawn == {
+        "loss": (steps, [r["loss"] for r in rows]),
+        "ce_loss": (steps, [r["ce_loss"] for r in rows]),
+        "held-out ce_loss": ([10], [0.7]),
+        "selector_loss": (steps, [r["selector_loss"] for r in rows]),
+        "held-out selector_loss": ([10], [0.4]),
+        None: ([10], [1.5]),  # the tau panel
+    }
+    plain = [{k: v for k, v in r.items() if k not in ("ce_loss", "selector_loss")} for r in rows]
+    assert report.loss_curves(plain, [{"step": 10, "type": "eval", "tau": 1.5}]) == {
+        "loss": (steps, [r["loss"] for r in rows])
+    }
+
+
 def test_report_without_metrics_is_a_clear_error(tmp_path):
     from dflash_pipeline.train.report import main
 

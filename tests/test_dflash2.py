@@ -235,18 +235,3 @@ def test_dflash2_config_round_trips_and_dflash_configs_are_unchanged():
         dflash2_config(selector_rank=None)
     with pytest.raises(ValueError, match="conv_group_size"):
         dflash2_config(conv_group_size=5)
-
-
-def test_configs_whose_attention_the_reference_makes_causal_or_mixed_are_refused():
-    """The reference makes attention causal when `is_causal` is true, or absent in sliding layers; ours
-    is bidirectional in the block with one window for every layer, so such configs are refused."""
-    d = dflash2_config(sliding_window=8).to_hf_dict()
-    assert DFlashConfig.from_hf_dict(d).sliding_window == 8
-    for change in (
-        {"is_causal": True},
-        {"is_causal": None},
-        {"layer_types": ["sliding_attention", "full_attention"]},
-    ):
-        bad = {k: v for k, v in {**d, **change}.items() if v is not None}
-        with pytest.raises(ValueError, match="causal|mixed"):
-            DFlashConfig.from_hf_dict(bad)

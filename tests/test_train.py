@@ -246,8 +246,13 @@ def test_prompt_groups_are_read_on_rank_0_and_sent_to_every_rank(store_dir):
 
 
 @pytest.mark.slow
-def test_ddp_gradients_equal_single_process(store_dir, tmp_path):
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_ddp_gradients_equal_single_process(store_dir, tmp_path, arch):
+    """Every parameter's gradient (DFlash-2's convolutions and selector included) after a 2-rank DDP
+    backward equals the single process's on the same global batch, and is the same on both ranks."""
     cfg = base_config(store_dir, tmp_path / "run")
+    if arch == "dflash2":
+        cfg = dflash2_config(store_dir, tmp_path / "run")
     single = global_batch_grads(0, 1, cfg, None)
     ranks = spawn_ranks(global_batch_grads, 2, (2, cfg, f"tcp://127.0.0.1:{free_port()}"))
     assert set(single) == set(ranks[0]) and len(single) > 5
@@ -318,6 +323,10 @@ def test_training_reduces_loss_and_reports_acceptance(store_dir, tmp_path):
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
     ]
     assert evals and evals[-1]["tau"] == pytest.approx(result.eval_tau)
+    # a DFlash run's records are as they were before DFlash-2 logged its loss terms
+    assert [list(r) for r in evals] == [["step", "type", "tau"]]
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert list(first) == ["step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "acc"]
 
 
 def test_refuses_incomplete_store(store_dir, tmp_path):
@@ -550,13 +559,16 @@ def test_dflash2_options_are_checked():
         256,
         16,
     )
-    assert base.selector_loss_weight == 1.0 and list(base.to_dict())[-6:] == [
+    assert base.selector_loss_weight == 1.0 and list(base.to_dict())[-9:] == [
         "arch",
         "conv_kernel_size",
         "conv_group_size",
         "selector_rank",
         "selector_top_k",
         "selector_loss_weight",
+        "sliding_window",
+        "layer_types",
+        "is_causal",
     ]
     for bad, option in [
         (dict(arch="dflash3"), "--arch"),
@@ -660,3 +672,92 @@ def test_dflash2_resume_continues_with_identical_losses(store_dir, tmp_path):
         load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
         "drafter",
     )
+
+
+@pytest.mark.slow
+def test_dflash2_ddp_run_equals_single_process_run_and_logs_its_loss_terms(store_dir, tmp_path):
+    """`--arch dflash2 --workers 2` (gloo) trains the same steps as one process with both ranks' packs
+    (--packs-per-step 2): equal losses, loss terms, held-out results and weights, to float rounding.
+    Its training and eval records carry the CE and (unweighted) selector terms beside the loss."""
+    from safetensors.torch import load_file
+
+    common = dict(max_steps=3, eval_every=3, checkpoint_every=3, eval_samples=8, selector_loss_weight=0.5)
+    ddp = dflash2_config(store_dir, tmp_path / "ddp", workers=2, **common)
+    single = dflash2_config(store_dir, tmp_path / "single", packs_per_step=2, **common)
+    run_training(ddp)
+    run_training(single)
+    records = {}
+    for cfg in (ddp, single):
+        rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+        records[cfg.workers] = rows
+        train = [r for r in rows if "loss" in r]
+        assert [list(r) for r in train] == [
+            ["step", "epoch", "loss", "ce_loss", "selector_loss", "lr", "grad_norm", "tokens_per_s", "acc"]
+        ] * 3
+        for r in train:
+            assert r["loss"] == pytest.approx(r["ce_loss"] + 0.5 * r["selector_loss"], rel=1e-6)  # fp32 terms
+            assert r["ce_loss"] > 0 and r["selector_loss"] > 0
+        assert [list(r) for r in rows if r.get("type") == "eval"] == [
+            ["step", "type", "tau", "ce_loss", "selector_loss"]
+        ]
+    for got, want in zip(records[2], records[1], strict=True):
+        assert got.keys() == want.keys() and got.get("acc") == want.get("acc")
+        for key in got.keys() & {"loss", "ce_loss", "selector_loss", "grad_norm", "tau"}:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    weights = [load_file(Path(cfg.out) / "drafter" / "model.safetensors") for cfg in (ddp, single)]
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_layer_types_window_and_causality_train_and_are_saved_where_the_reference_reads_them(store_dir, tmp_path):
+    """`dflash-train --layer-types --sliding-window --is-causal` (either arch) trains with those masks (the
+    loss differs from the default drafter's from step 1) and saves a drafter whose layers the reference
+    sets up the same way; bad combinations are one-line usage errors."""
+    from click.testing import CliRunner
+
+    ref = pytest.importorskip("dflash.model")
+    from dflash_pipeline.shared.model.config import LayerAttention
+    from dflash_pipeline.train.cli import main
+
+    def train(out: Path, *extra: str):
+        args = ["--store", str(store_dir), "--out", str(out), *TRAIN_ARGS, "--max-steps", "2", "--num-layers", "2"]
+        return CliRunner().invoke(main, [*args, "--eval-every", "1000", "--checkpoint-every", "1000", *extra])
+
+    attention = ["--layer-types", "full_attention,sliding_attention", "--sliding-window", "5", "--is-causal"]
+    for arch, model_class in (("dflash", ref.DFlashDraftModel), ("dflash2", ref.DFlash2DraftModel)):
+        dflash2 = ["--arch", "dflash2", "--selector-rank", "8", "--selector-top-k", "4"] if arch == "dflash2" else []
+        runs = {name: tmp_path / f"{arch}-{name}" for name in ("plain", "windowed")}
+        for result in (train(runs["plain"], *dflash2), train(runs["windowed"], *dflash2, *attention)):
+            assert result.exit_code == 0, result.output
+        plain, windowed = losses(runs["plain"]), losses(runs["windowed"])
+        assert sorted(windowed) == [1, 2] and all(np.isfinite(list(windowed.values())))
+        assert windowed[1] != plain[1]
+        saved = json.loads((runs["windowed"] / "drafter" / "config.json").read_text())
+        assert (saved["layer_types"], saved["sliding_window"], saved["is_causal"]) == (
+            ["full_attention", "sliding_attention"],
+            5,
+            True,
+        )
+        model = model_class.from_pretrained(runs["windowed"] / "drafter", dtype=torch.float32)
+        got = [LayerAttention(layer.self_attn.is_causal, layer.self_attn.sliding_window) for layer in model.layers]
+        assert got == [LayerAttention(True, None), LayerAttention(True, 5)], arch
+        kept = json.loads((runs["windowed"] / "train_config.json").read_text())
+        assert (kept["layer_types"], kept["sliding_window"], kept["is_causal"]) == (
+            ["full_attention", "sliding_attention"],
+            5,
+            True,
+        )
+    for extra, message in [
+        (["--layer-types", "full_attention"], "--layer-types names 1 layers, --num-layers is 2"),
+        (["--layer-types", "full_attention,chunked"], "'chunked' is not one of full_attention, sliding_attention"),
+        (
+            ["--layer-types", "sliding_attention,full_attention"],
+            "--layer-types sliding_attention needs --sliding-window",
+        ),
+        (["--layer-types", "full_attention,full_attention", "--sliding-window", "4"], "--sliding-window needs a"),
+        (["--sliding-window", "0"], "--sliding-window"),
+    ]:
+        result = train(tmp_path / "refused", *extra)
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert not (tmp_path / "refused").exists()

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 import click
 
-from dflash_pipeline.shared.runtime.config import ConfigError, IntList, check_options, option
+from dflash_pipeline.shared.model.config import LAYER_TYPES
+from dflash_pipeline.shared.runtime.config import ChoiceList, ConfigError, IntList, check_options, option
 from dflash_pipeline.shared.runtime.device import DEVICE_CHOICES, DEVICE_HELP
 
 
@@ -83,6 +84,17 @@ class TrainConfig:
     selector_loss_weight: float = option(
         1.0, range=(0, None), help="DFlash-2: weight of the selector's loss next to the draft CE."
     )
+    # attention of the drafter's layers (either arch), saved in config.json where the reference reads it
+    sliding_window: int | None = option(
+        None, range=(1, None), help="Attention window of the sliding_attention layers [default: no window]."
+    )
+    layer_types: tuple[str, ...] = option(
+        (),
+        type=ChoiceList(LAYER_TYPES),
+        help="full_attention or sliding_attention for each drafter layer, comma-separated "
+        "[default: every layer sliding_attention with --sliding-window, else full_attention].",
+    )
+    is_causal: bool = option(False, help="Causal attention inside the draft block, in every layer.")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -90,6 +102,15 @@ class TrainConfig:
             raise ConfigError(
                 f"--pack-tokens ({self.pack_tokens}) and --num-blocks x --block-size "
                 f"({self.num_blocks * self.block_size}) must be multiples of 128 (flex_attention block granularity)"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"--layer-types names {len(self.layer_types)} layers, --num-layers is {self.num_layers}")
+        sliding = "sliding_attention" in self.layer_types
+        if self.layer_types and (self.sliding_window is not None) != sliding:
+            raise ConfigError(
+                "--layer-types sliding_attention needs --sliding-window"
+                if self.sliding_window is None
+                else "--sliding-window needs a sliding_attention layer in --layer-types"
             )
 
     @property

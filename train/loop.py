@@ -47,7 +47,7 @@ from dflash_pipeline.train.setup import (
     store_identity,
     validate_store,
 )
-from dflash_pipeline.train.step import block_acceptance, pack_loss, to_device
+from dflash_pipeline.train.step import block_acceptance, loss_term_sums, pack_loss, to_device
 
 # Held-out packs and their anchors are drawn with this "epoch", apart from every training epoch.
 EVAL_EPOCH = 2**31 - 1
@@ -69,6 +69,19 @@ class RankResult:
     out: str
     already_complete: bool = False  # resumed a run that had done all its steps: nothing trained now
     epoch_limit: bool = False  # --epochs ended the run before --max-steps
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step over all ranks: the global batch's loss and (DFlash-2) its terms
+    (`loss_term_sums`' keys) as weighted means, the mean gradient norm, and per block position the
+    correct predictions and labelled tokens."""
+
+    loss: float
+    terms: dict[str, float]
+    grad_norm: float
+    correct: np.ndarray
+    total: np.ndarray
 
 
 def backend_for(cfg: TrainConfig, device: torch.device) -> str:
@@ -136,6 +149,9 @@ def build_model(cfg: TrainConfig, store: FeatureStore, device: torch.device) -> 
         num_layers=cfg.num_layers,
         block_size=cfg.block_size,
         mask_token_id=resolve_mask_token(store, cfg.mask_token_id),
+        sliding_window=cfg.sliding_window,
+        layer_types=list(cfg.layer_types) or None,
+        is_causal=cfg.is_causal,
         **dflash2_settings(cfg, target_config),
     )
     torch.manual_seed(cfg.seed)
@@ -288,27 +304,27 @@ class Trainer:
         for epoch, k, batch in device_batches(
             dataset, self.schedule[state.step : self.total_steps], workers, self.device
         ):
-            step_loss, reduced = self.train_step(ddp, batch)
+            result = self.train_step(ddp, batch)
             state.step += 1
             state.epoch, state.step_in_epoch = epoch, k + 1
-            state.last_loss = step_loss
+            state.last_loss = result.loss
             throughput.add(int((batch["context_doc"] >= 0).sum()) * self.world)
             if state.step % cfg.log_every == 0 or state.step == self.total_steps:
                 rate = throughput.rate()
-                metrics.write(self.step_record(step_loss, reduced, rate))
-                bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{rate:,.0f}")
+                metrics.write(self.step_record(result, rate))
+                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{rate:,.0f}")
             bar.update(1)
             if self.eval_packs and (state.step % cfg.eval_every == 0 or state.step == self.total_steps):
-                tau = self.evaluate()
-                metrics.write({"step": state.step, "type": "eval", "tau": tau})
+                held_out = self.evaluate()
+                tau = held_out["tau"]
+                metrics.write({"step": state.step, "type": "eval", **held_out})
             if state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps:
                 self.save_checkpoint()
         bar.close()
         return tau, rate
 
-    def train_step(self, ddp: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[float, list[float]]:
-        """One optimizer step on this rank's share of the global batch: the global batch's loss, and
-        the all-rank sums [loss sum, grad norm, correct per position..., labelled per position...]."""
+    def train_step(self, ddp: torch.nn.Module, batch: dict[str, torch.Tensor]) -> StepResult:
+        """One optimizer step on this rank's share of the global batch; what it did over all ranks."""
         self.model.train()
         with self.autocast():
             loss_sum, weight, stats = pack_loss(ddp, self.head, batch, self.gamma, self.cfg.selector_loss_weight)
@@ -317,11 +333,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
+        terms = loss_term_sums(stats)
         reduced = all_sum(
-            [float(loss_sum.detach()), float(grad_norm)] + stats["correct"].tolist() + stats["total"].tolist(),
+            [float(loss_sum.detach()), float(grad_norm), *terms.values()]
+            + stats["correct"].tolist()
+            + stats["total"].tolist(),
             self.device,
         )
-        step_loss = reduced[0] / max(global_weight, 1e-12)
+        denominator = max(global_weight, 1e-12)
+        step_loss = reduced[0] / denominator
         if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
             raise TrainingError(
                 f"loss became {step_loss} at step {self.state.step + 1}; stopped, the last good checkpoint is "
@@ -329,37 +349,49 @@ class Trainer:
             )
         self.optimizer.step()
         self.scheduler.step()
-        return step_loss, reduced
+        counts = np.array(reduced[2 + len(terms) :])
+        return StepResult(
+            step_loss,
+            {key: value / denominator for key, value in zip(terms, reduced[2:])},
+            reduced[1] / self.world,
+            *np.split(counts, 2),
+        )
 
-    def step_record(self, step_loss: float, reduced: list[float], rate: float) -> dict:
-        """The metrics line of the step just done (`reduced`: as `train_step` returns it)."""
-        n_pos = (len(reduced) - 2) // 2
-        correct, totals = np.array(reduced[2 : 2 + n_pos]), np.array(reduced[2 + n_pos :])
+    def step_record(self, result: StepResult, rate: float) -> dict:
+        """The metrics line of the step just done (DFlash-2's loss terms beside its loss)."""
         return {
             "step": self.state.step,
             "epoch": self.state.epoch,
-            "loss": step_loss,
+            "loss": result.loss,
+            **result.terms,
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": reduced[1] / self.world,
+            "grad_norm": result.grad_norm,
             "tokens_per_s": rate,
-            "acc": [round(c / t, 4) if t else None for c, t in zip(correct, totals)],
+            "acc": [round(c / t, 4) if t else None for c, t in zip(result.correct, result.total)],
         }
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean offline acceptance length over the held-out packs (all ranks), the drafter in eval mode."""
+    def evaluate(self) -> dict[str, float]:
+        """The held-out packs of all ranks, the drafter in eval mode: the mean offline acceptance length
+        (`tau`) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as weighted means."""
         self.model.eval()
-        total, count = 0.0, 0
+        total, count, weight, terms = 0.0, 0, 0.0, {}
         for pack in self.eval_packs:
             batch = to_device(build_batch(self.store, [pack], self.spec, self.cfg.seed, EVAL_EPOCH), self.device)
             with self.autocast():
-                _, _, stats = pack_loss(self.model, self.head, batch, self.gamma, self.cfg.selector_loss_weight)
+                _, pack_weight, stats = pack_loss(
+                    self.model, self.head, batch, self.gamma, self.cfg.selector_loss_weight
+                )
             accepted = block_acceptance(batch, stats["pred"], self.spec.block_size)
             total += float(accepted.sum())
             count += accepted.numel()
-        total, count = all_sum([total, float(count)], self.device)
+            weight += float(pack_weight)
+            for key, value in loss_term_sums(stats).items():
+                terms[key] = terms.get(key, 0.0) + value
+        total, count, weight, *sums = all_sum([total, float(count), weight, *terms.values()], self.device)
         self.model.train()
-        return total / count if count else float("nan")
+        tau = total / count if count else float("nan")
+        return {"tau": tau, **{key: value / max(weight, 1e-12) for key, value in zip(terms, sums)}}
 
     @cached_property
     def target_identity(self) -> TargetIdentity:

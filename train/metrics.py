@@ -16,6 +16,9 @@ from pathlib import Path
 from dflash_pipeline.shared.runtime.durable import write_bytes_durably
 from dflash_pipeline.shared.runtime.errors import UserError
 
+# DFlash-2's loss terms: `pack_loss`'s stats keys -> the keys of training and eval records that hold them
+LOSS_TERMS = {"ce": "ce_loss", "selector": "selector_loss"}
+
 
 class MetricsError(UserError, ValueError):
     """A line of metrics.jsonl is not a JSON object (other than a cut-short last line)."""

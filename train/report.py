@@ -9,7 +9,7 @@ import click
 
 from dflash_pipeline.shared.runtime.config import config_from_cli, config_options, option
 from dflash_pipeline.shared.runtime.errors import cli_errors
-from dflash_pipeline.train.metrics import read_records
+from dflash_pipeline.train.metrics import LOSS_TERMS, read_records
 
 
 def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
@@ -27,6 +27,18 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
     return train, [r for r in rows if r.get("type") == "eval"]
 
 
+def loss_curves(train: list[dict], evals: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """The loss panel's curves by label: the training loss and, for a DFlash-2 run, its CE and selector
+    terms, in training and held out (DFlash records have neither: the loss alone)."""
+    curves = {"loss": ([r["step"] for r in train], [r["loss"] for r in train])}
+    for key in LOSS_TERMS.values():
+        for label, rows in ((key, train), (f"held-out {key}", evals)):
+            points = [r for r in rows if key in r]
+            if points:
+                curves[label] = ([r["step"] for r in points], [r[key] for r in points])
+    return curves
+
+
 def draw(run: Path, png: Path) -> Path:
     import matplotlib
 
@@ -35,8 +47,12 @@ def draw(run: Path, png: Path) -> Path:
 
     train, evals = read_metrics(run)
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
-    ax_loss.set(xlabel="step", ylabel="weighted CE loss", title="training loss")
+    curves = loss_curves(train, evals)
+    for label, (steps, values) in curves.items():
+        ax_loss.plot(steps, values, lw=1, label=label, marker="o" if label.startswith("held-out") else None)
+    if len(curves) > 1:
+        ax_loss.legend()
+    ax_loss.set(xlabel="step", ylabel="weighted loss", title="training loss")
     ax_loss.grid(alpha=0.3)
     if evals:
         ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], marker="o")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from dflash_pipeline.shared.model.attention import build_block_mask, dense_mask
-from dflash_pipeline.shared.model.drafter import DFlashDrafter
+from dflash_pipeline.shared.model.config import DFlashConfig, LayerAttention
+from dflash_pipeline.shared.model.drafter import DFlashDrafter, Mask
 from dflash_pipeline.shared.model.loss import SelectorWeights, acceptance_length, dflash_loss, selector_loss
 from dflash_pipeline.shared.model.target_head import TargetHead
+from dflash_pipeline.train.metrics import LOSS_TERMS
 
 FLEX_BACKENDS = ("flex_compiled", "flex_eager")
 
@@ -16,32 +18,38 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def attention_mask(batch: dict[str, torch.Tensor], block_size: int, backend: str, window: int | None):
-    """The BlockMask (flex) or dense bool mask (SDPA reference) for a batch of packs."""
+def attention_masks(batch: dict[str, torch.Tensor], config: DFlashConfig, backend: str) -> dict[LayerAttention, Mask]:
+    """One BlockMask (flex) or dense bool mask (SDPA reference) for a batch of packs per kind of layer
+    the drafter has (`config.layer_attention`: causal or not, its window)."""
     args = dict(
         anchor_pos=batch["anchor_pos"],
         block_doc=batch["block_doc"],
         block_valid=batch["block_valid"],
         context_doc=batch["context_doc"],
-        block_size=block_size,
-        window=window,
+        block_size=config.block_size,
     )
-    if backend in FLEX_BACKENDS:
-        device = batch["anchor_pos"].device
-        return build_block_mask(**args, device=device, compile=device.type == "cuda")
-    return dense_mask(**args)
+    device = batch["anchor_pos"].device
+    masks = {}
+    for kind in dict.fromkeys(config.layer_attention):
+        if backend in FLEX_BACKENDS:
+            masks[kind] = build_block_mask(
+                **args, window=kind.window, causal=kind.causal, device=device, compile=device.type == "cuda"
+            )
+        else:
+            masks[kind] = dense_mask(**args, window=kind.window, causal=kind.causal)
+    return masks
 
 
 def drafter_hidden(model, head: TargetHead, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Drafter output states [b, N*B, H] for the blocks of a batch; the mask is built for the attention
+    """Drafter output states [b, N*B, H] for the blocks of a batch; the masks are built for the attention
     backend the drafter carries (set once, where the drafter is built)."""
     core: DFlashDrafter = getattr(model, "module", model)
     cfg = core.config
     dtype = core.fc.weight.dtype
     embeds = head.embed(batch["block_ids"], cfg.input_embedding_scale, dtype=dtype)
-    mask = attention_mask(batch, cfg.block_size, core.attention_backend, cfg.sliding_window)
+    masks = attention_masks(batch, cfg, core.attention_backend)
     context = batch["context_hidden"].to(dtype)
-    return model(context, embeds, batch["context_positions"], batch["block_positions"], mask)
+    return model(context, embeds, batch["context_positions"], batch["block_positions"], masks)
 
 
 def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: float, selector_loss_weight: float = 1.0):
@@ -74,6 +82,15 @@ def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: fl
     else:
         mean, stats = dflash_loss(hidden, batch["labels"], lm_head, cfg.block_size, gamma, **common)
     return mean * stats["weight_sum"], stats["weight_sum"], stats
+
+
+def loss_term_sums(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The loss's separate terms as sums over rows (term x weight sum), keyed by their metrics names, so
+    that summed over ranks and divided by the global weight they are means like the loss. DFlash-2:
+    `ce_loss` and the selector's unweighted `selector_loss` (loss = ce_loss + weight x selector_loss);
+    DFlash: none, its loss is the CE alone and its records stay as they were."""
+    weight = stats["weight_sum"]
+    return {key: float(stats[name] * weight) for name, key in LOSS_TERMS.items() if name in stats}
 
 
 def block_acceptance(batch: dict[str, torch.Tensor], pred: torch.Tensor, block_size: int) -> torch.Tensor:

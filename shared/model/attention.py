@@ -9,11 +9,15 @@ The rule (identical in `dflash_mask_mod` and `dense_mask`, which are written ind
 - a token of block n sees context key j iff `v_n`, `j < a_n` (strictly before the anchor: the anchor
   token itself is position 0 of the block) and `context_doc[j] == d_n` (no leakage across packed
   documents; padding context has doc -1, which no valid block has);
-- it sees every token of its own block (bidirectional) and no token of any other block;
+- it sees every token of its own block (bidirectional, unless causal) and no token of any other block;
 - an invalid block sees nothing: its rows are fully masked and every backend returns zeros there.
-- optional sliding window W, as the reference applies it at inference (`|q_pos - k_pos| < W` over
-  absolute positions): token k of block n sees context key j only if `a_n + k - j < W`, and block
-  token k' only if `|k - k'| < W` (pack-index differences equal position differences inside a doc).
+- causal (the reference's `is_causal` layers): token k of its block sees block tokens k' <= k only
+  (the context before the anchor is always earlier);
+- optional sliding window W, as the reference applies it at inference (`q_pos - k_pos < W`, and in
+  non-causal layers also `k_pos - q_pos < W`, over absolute positions): token k of block n sees
+  context key j only if `a_n + k - j < W`, and block token k' only if `|k - k'| < W` (pack-index
+  differences equal position differences inside a doc).
+Layers of different kinds (the reference's `layer_types` and `is_causal`) get one mask each.
 
 Kernels: `flex_attention_eager` is uncompiled flex (its math implementation, with a backward even
 on CPU, see `_allow_cpu_backward`); `flex_attention_compiled` is `torch.compile(flex_attention,
@@ -69,6 +73,7 @@ def dflash_mask_mod(
     context_doc: torch.Tensor,
     block_size: int,
     window: int | None = None,
+    causal: bool = False,
 ) -> Callable:
     """The mask rule as a flex `mask_mod(b, h, q_idx, kv_idx)`; tensors are [batch, N] / [batch, S]."""
     N, S, B = anchor_pos.shape[1], context_doc.shape[1], block_size
@@ -82,6 +87,8 @@ def dflash_mask_mod(
         sees_context = in_context & (kv_idx < anchor) & (context_doc[b, j] == block_doc[b, n])
         offset = kv_idx - S - n * B  # position of the key inside block n (in [0, B) for own block)
         sees_block = (~in_context) & (offset >= 0) & (offset < B)
+        if causal:
+            sees_block = sees_block & (offset <= k)
         if window is not None:
             sees_context = sees_context & (anchor + k - kv_idx < window)
             sees_block = sees_block & ((offset - k).abs() < window)
@@ -113,6 +120,7 @@ def build_block_mask(
     context_doc: torch.Tensor,
     block_size: int,
     window: int | None = None,
+    causal: bool = False,
     *,
     device: torch.device | str,
     compile: bool = True,
@@ -127,7 +135,7 @@ def build_block_mask(
     _check_shapes(anchor_pos, block_doc, block_valid, context_doc)
     (batch, N), S, B = anchor_pos.shape, context_doc.shape[1], block_size
     tensors = [t.to(device) for t in (anchor_pos, block_doc, block_valid, context_doc)]
-    mask_mod = dflash_mask_mod(*tensors, block_size=B, window=window)
+    mask_mod = dflash_mask_mod(*tensors, block_size=B, window=window, causal=causal)
     builder = create_block_mask
     if compile:
         if _compiled_create_block_mask is None:
@@ -143,6 +151,7 @@ def dense_mask(
     context_doc: torch.Tensor,
     block_size: int,
     window: int | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """The same rule as a bool tensor [batch, 1, N*B, S+N*B] (True = may attend), built block-wise."""
     _check_shapes(anchor_pos, block_doc, block_valid, context_doc)
@@ -154,13 +163,33 @@ def dense_mask(
     context = per_block.repeat_interleave(B, dim=1)  # [batch, N*B, S]
     own_block = torch.kron(torch.eye(N, device=device), torch.ones(B, B, device=device)).bool()
     blocks = own_block.expand(batch, N * B, N * B)
+    k = torch.arange(B, device=device).repeat(N)  # token index inside its block, per query row
+    if causal:
+        blocks = blocks & (k[None, :] <= k[:, None])
     if window is not None:
-        k = torch.arange(B, device=device).repeat(N)  # token index inside its block, per query row
         query_index = anchor_pos.repeat_interleave(B, dim=1) + k[None, :]
         context = context & ((query_index[:, :, None] - key[None, None, :]) < window)
         blocks = blocks & ((k[:, None] - k[None, :]).abs() < window)
     rows_valid = block_valid.bool().repeat_interleave(B, dim=1)[:, :, None]
     return (torch.cat([context, blocks], dim=-1) & rows_valid)[:, None]
+
+
+def inference_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None = None, causal: bool = False
+) -> torch.Tensor | None:
+    """The reference's inference mask (`_attention_mask`) over absolute positions: queries [b, Q] and
+    keys [b, K] -> bool [b, 1, Q, K], or None when every key is visible (a full, non-causal layer)."""
+    if window is None and not causal:
+        return None
+    ahead = query_positions[:, :, None] - key_positions[:, None, :]  # how far the key is behind the query
+    visible = torch.ones_like(ahead, dtype=torch.bool)
+    if causal:
+        visible &= ahead >= 0
+    if window is not None:
+        visible &= ahead < window
+        if not causal:
+            visible &= -ahead < window
+    return visible[:, None]
 
 
 def sdpa_dense_attention(

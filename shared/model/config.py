@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
-from typing import Any
-
-from dflash_pipeline.shared.target.loading import text_config
+from typing import Any, NamedTuple
 
 CONFIG_FILE = "config.json"
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 # DFlash-2 settings, in `dflash_config` (read there first, then top level, as the reference's `_draft_value`)
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # config.json `layer_types` entries
+# Qwen3Config's defaults, which the reference's config reads a file with: no window unless
+# `use_sliding_window`, then 4096 unless given; without `layer_types`, layers from `max_window_layers` slide
+QWEN3_SLIDING_WINDOW, QWEN3_MAX_WINDOW_LAYERS = 4096, 28
+
+
+class LayerAttention(NamedTuple):
+    """One drafter layer's attention as the reference's `Qwen3DFlashAttention` sets it up: causal inside
+    the block or not, and its sliding window (None: the whole context)."""
+
+    causal: bool
+    window: int | None
 
 
 def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
@@ -57,7 +67,9 @@ class DFlashConfig:
     rope_parameters: dict[str, Any] | None = None  # HF 5.x form; default {"rope_type": "default", "rope_theta": ...}
     max_position_embeddings: int = 40960
     block_size: int = 16
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the "sliding_attention" layers
+    layer_types: list[str] | None = None  # one of LAYER_TYPES per layer; None: all sliding iff a window is set
+    is_causal: bool | None = False  # causal attention in every layer; None: in the sliding ones (the reference's rule)
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
@@ -88,6 +100,7 @@ class DFlashConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.attention_bias:
             raise ValueError("attention_bias=True is not supported (the released drafters have none)")
+        self._check_attention()
         dflash2 = {name: getattr(self, name) for name in DFLASH2_KEYS}
         if any(v is not None for v in dflash2.values()):
             if any(v is None for v in dflash2.values()):
@@ -102,6 +115,35 @@ class DFlashConfig:
                 )
             if self.selector_top_k > self.vocab_size:
                 raise ValueError(f"selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
+
+    def _check_attention(self) -> None:
+        """Check the window, layer types and causality; `layer_types` None becomes its explicit list."""
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.is_causal is not None and not isinstance(self.is_causal, bool):
+            raise ValueError(f"is_causal must be true, false or absent, got {self.is_causal!r}")
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown or len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the {self.num_hidden_layers} "
+                f"layers, got {self.layer_types}"
+            )
+
+    @property
+    def layer_attention(self) -> list[LayerAttention]:
+        """Each layer's attention, as the reference reads this config: a "sliding_attention" layer has
+        the window, and is causal unless `is_causal` says otherwise; a "full_attention" layer sees the
+        whole context, causal only if `is_causal` is true."""
+        out = []
+        for kind in self.layer_types:
+            sliding = kind == "sliding_attention"
+            causal = sliding if self.is_causal is None else self.is_causal
+            out.append(LayerAttention(causal, self.sliding_window if sliding else None))
+        return out
 
     @property
     def arch(self) -> str:
@@ -137,7 +179,7 @@ class DFlashConfig:
             {
                 "architectures": [self.architecture],
                 "model_type": "qwen3",
-                "is_causal": False,
+                "is_causal": self.is_causal,
                 "attention_bias": False,
                 "attention_dropout": 0.0,
                 "hidden_act": "silu",
@@ -154,7 +196,7 @@ class DFlashConfig:
                 "vocab_size": self.vocab_size,
                 "num_target_layers": self.num_target_layers,
                 "block_size": self.block_size,  # older reference versions read it here, newer in dflash_config
-                "layer_types": ["sliding_attention" if window else "full_attention"] * self.num_hidden_layers,
+                "layer_types": list(self.layer_types),
                 "use_sliding_window": bool(window),
                 "sliding_window": window,
                 "max_window_layers": self.num_hidden_layers,
@@ -168,7 +210,8 @@ class DFlashConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> DFlashConfig:
-        """Inverse of `to_hf_dict`; `dflash_config` values win over top-level ones (as the reference)."""
+        """Inverse of `to_hf_dict`; `dflash_config` values win over top-level ones (as the reference), and
+        the window, layer types and causality are read as the reference's `Qwen3Config` reads them."""
         dflash = d.get("dflash_config") or {}
 
         def value(name: str, default: Any = None) -> Any:
@@ -179,25 +222,20 @@ class DFlashConfig:
         if missing:
             raise ValueError(f"drafter config lacks {', '.join(missing)}")
         heads = d["num_attention_heads"]
-        window = d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window") is not None) else None
+        num_layers = d.get("num_hidden_layers", 5)
+        window = d.get("sliding_window", QWEN3_SLIDING_WINDOW) if d.get("use_sliding_window", False) else None
         layer_types = d.get("layer_types")
-        if layer_types and "sliding_attention" not in layer_types:
-            window = None
-        if layer_types and len(set(layer_types)) > 1:
-            raise ValueError(f"mixed layer_types {sorted(set(layer_types))} are not supported (one window for all)")
-        # the reference's attention is causal if is_causal says so, or (is_causal absent) in sliding layers
-        causal = d.get("is_causal")
-        if causal or (causal is None and layer_types and "sliding_attention" in layer_types):
-            raise ValueError(
-                "causal drafter attention (is_causal, or sliding layers without is_causal) is not supported"
-            )
+        if layer_types is None:
+            first_sliding = d.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+            layer_types = [
+                "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+                for i in range(num_layers)
+            ]
         known = {f.name for f in fields(cls)} | {
             "architectures",
             "model_type",
-            "is_causal",
             "attention_dropout",
             "hidden_act",
-            "layer_types",
             "use_sliding_window",
             "max_window_layers",
             "tie_word_embeddings",
@@ -219,13 +257,15 @@ class DFlashConfig:
             num_target_layers=d.get("num_target_layers", 0),
             mask_token_id=int(value("mask_token_id")),
             target_layer_ids=list(value("target_layer_ids")),
-            num_hidden_layers=d.get("num_hidden_layers", 5),
+            num_hidden_layers=num_layers,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0),
             rope_parameters=d.get("rope_parameters"),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
             block_size=int(value("block_size", 16)),
             sliding_window=window,
+            layer_types=layer_types,
+            is_causal=d.get("is_causal"),
             output_multiplier=float(value("output_multiplier", 1.0)),
             final_logit_softcapping=value("final_logit_softcapping"),
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
@@ -247,6 +287,8 @@ class DFlashConfig:
     ) -> DFlashConfig:
         """A drafter shaped like the target (hidden size, heads, head_dim, MLP width, RoPE, eps,
         vocab), as the released drafters are. `target_config`: HF config object or its dict."""
+        from dflash_pipeline.shared.target.loading import text_config  # torch, transformers: not for CLI options
+
         if isinstance(target_config, dict):
             t = dict(target_config)
         else:

@@ -13,17 +13,22 @@ DFlash-2 (`config.arch == "dflash2"`, the reference's `DFlash2DraftModel`): each
 along the positions of each block only, and the drafter a `CandidateSelector` (`propose`) that picks
 the block's tokens among the top-k draft logits.
 
+Attention per layer (`config.layer_attention`): bidirectional over the block and the whole context by
+default; the config's `layer_types`, `sliding_window` and `is_causal` make layers causal inside the
+block and/or windowed, as the reference reads them. Training passes one mask per kind of layer.
+
 Files (`save_pretrained`): `config.json` in the reference's layout (`architectures:
-["DFlashDraftModel"]`, `model_type: "qwen3"`, `is_causal: false`, `dflash_config`, `num_target_layers`,
-`layer_types`; DFlash-2: `["DFlash2DraftModel"]` and the conv/selector keys in `dflash_config`) and
+["DFlashDraftModel"]`, `model_type: "qwen3"`, `is_causal` (false by default), `dflash_config`,
+`num_target_layers`, `layer_types`, `sliding_window`; DFlash-2: `["DFlash2DraftModel"]` and the
+conv/selector keys in `dflash_config`) and
 `model.safetensors` with exactly the reference's key names (`fc.weight`, `hidden_norm.weight`,
 `layers.{i}.…`, `norm.weight`; DFlash-2 adds `layers.{i}.{attention,mlp}_conv.base_kernel`,
 `layers.{i}.{attention,mlp}_conv.kernel_projection.weight`, `candidate_selector.hidden_projection.weight`
 and `candidate_selector.{predecessor,successor}_codebook`). Differences from the reference layout:
-none in the files. In code, `forward` takes the attention mask explicitly (a flex `BlockMask` or a
-dense bool mask) instead of building one, and the frozen target pieces live in `TargetHead`
-(`target_head.safetensors` in the store's `target/` folder), never in the drafter's weights, as the
-reference, which borrows them from the live target, expects.
+none in the files. In code, `forward` takes the attention masks explicitly (flex `BlockMask`s or
+dense bool masks, one per `LayerAttention`) instead of building them, and the frozen target pieces
+live in `TargetHead` (`target_head.safetensors` in the store's `target/` folder), never in the
+drafter's weights, as the reference, which borrows them from the live target, expects.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from dflash_pipeline.shared.model import attention as attn
-from dflash_pipeline.shared.model.config import CONFIG_FILE, DFlashConfig
+from dflash_pipeline.shared.model.config import CONFIG_FILE, DFlashConfig, LayerAttention
 from dflash_pipeline.shared.model.loss import SelectorWeights, compute_logits, selector_scores
 from dflash_pipeline.shared.runtime.errors import UserError, first_line
 
@@ -53,6 +58,7 @@ class DrafterError(UserError, ValueError):
 
 
 BACKENDS = ("flex_compiled", "flex_eager", "sdpa_dense")
+Mask = BlockMask | torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -342,7 +348,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
         self._backend = name
 
-    def _attend(self, mask: BlockMask | torch.Tensor):
+    def _attend(self, mask: Mask):
         """The attention for this mask: a dense bool mask always runs SDPA (whatever the backend:
         it is exact, only slower); a BlockMask runs flex, compiled unless the backend is flex_eager."""
         backend = self._backend
@@ -366,12 +372,23 @@ class DFlashDrafter(nn.Module):
         """fc + hidden_norm: [b, S, n_layers*H] -> [b, S, H]."""
         return self.hidden_norm(self.fc(context_hidden))
 
+    def _layer_attends(self, masks: Mask | dict[LayerAttention, Mask]) -> list:
+        """Each layer's attention function: a single mask serves every layer; a dict gives each layer
+        the mask of its kind (`config.layer_attention`)."""
+        if not isinstance(masks, dict):
+            return [self._attend(masks)] * len(self.layers)
+        missing = sorted(set(self.config.layer_attention) - set(masks))
+        if missing:
+            raise ValueError(f"no attention mask for layers of kind {missing}")
+        attends = {kind: self._attend(mask) for kind, mask in masks.items()}
+        return [attends[kind] for kind in self.config.layer_attention]
+
     def _run_layers(
-        self, h, context, context_positions, block_positions, attend, cache: DrafterCache | None, block_size: int
+        self, h, context, context_positions, block_positions, attends, cache: DrafterCache | None, block_size: int
     ):
         cos_c, sin_c = self.rotary_emb(h, context_positions)
         cos_b, sin_b = self.rotary_emb(h, block_positions)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, attend) in enumerate(zip(self.layers, attends, strict=True)):
             k, v = layer.self_attn.context_kv(context, cos_c, sin_c)
             if cache is not None:
                 k, v = cache.append(i, k, v)
@@ -384,10 +401,11 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         context_positions: torch.Tensor,
         block_positions: torch.Tensor,
-        mask: BlockMask | torch.Tensor,
+        mask: Mask | dict[LayerAttention, Mask],
     ) -> torch.Tensor:
         """Training forward: [b, S, n_layers*H], [b, Q, H], [b, S], [b, Q], mask -> [b, Q, H]. The
-        queries are N blocks of `block_size` tokens (DFlash-2's convolutions run inside each block)."""
+        queries are N blocks of `block_size` tokens (DFlash-2's convolutions run inside each block).
+        `mask`: one for every layer, or one per kind of layer (`train.step.attention_masks`)."""
         if context_hidden.shape[-1] != self.config.context_width:
             raise ValueError(
                 f"context_hidden width {context_hidden.shape[-1]} != n_layers*hidden {self.config.context_width}"
@@ -397,7 +415,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"{block_embeds.shape[1]} block tokens are not whole blocks of {block_size}")
         context = self.project_context(context_hidden)
         return self._run_layers(
-            block_embeds, context, context_positions, block_positions, self._attend(mask), None, block_size
+            block_embeds, context, context_positions, block_positions, self._layer_attends(mask), None, block_size
         )
 
     def forward_step(
@@ -409,24 +427,32 @@ class DFlashDrafter(nn.Module):
         cache: DrafterCache,
     ) -> torch.Tensor:
         """Inference step: append the newly accepted tokens' context k/v to `cache`, then draft one
-        block that sees all cached context and itself (bidirectionally). Returns [b, Q, H]."""
+        block that sees all cached context and itself (bidirectionally, unless a layer is causal or
+        windowed: `attention.inference_mask`, the reference's rule). Returns [b, Q, H]."""
         context = self.project_context(new_context_hidden)
-        window = self.config.sliding_window
         key_positions = new_context_positions
         if cache.positions is not None:
             key_positions = torch.cat([cache.positions, new_context_positions], dim=1)
-        mask = None
-        if window is not None:
-            keys = torch.cat([key_positions, block_positions], dim=1)
-            mask = ((block_positions[:, :, None] - keys[:, None, :]).abs() < window)[:, None]
+        keys = torch.cat([key_positions, block_positions], dim=1)
 
-        def attend(q, k, v, scale):
-            return F.scaled_dot_product_attention(
+        def sdpa(mask: torch.Tensor | None):
+            return lambda q, k, v, scale: F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
             )
 
+        kinds = self.config.layer_attention
+        attends = {
+            kind: sdpa(attn.inference_mask(block_positions, keys, kind.window, kind.causal))
+            for kind in dict.fromkeys(kinds)
+        }
         out = self._run_layers(
-            block_embeds, context, new_context_positions, block_positions, attend, cache, block_embeds.shape[1]
+            block_embeds,
+            context,
+            new_context_positions,
+            block_positions,
+            [attends[kind] for kind in kinds],
+            cache,
+            block_embeds.shape[1],
         )
         cache.positions = key_positions
         return out

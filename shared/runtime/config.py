@@ -82,6 +82,23 @@ class IntList(click.ParamType):
             self.fail(f"{value!r}: expected comma-separated integers", param, ctx)
 
 
+class ChoiceList(click.ParamType):
+    """Comma-separated words, each one of `choices`, e.g. "a,b,a" -> ("a", "b", "a"); empty -> ()."""
+
+    name = "text"
+
+    def __init__(self, choices: tuple[str, ...]) -> None:
+        self.choices = choices
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, ...]:
+        words = tuple(value) if isinstance(value, (tuple, list)) else tuple(w.strip() for w in str(value).split(","))
+        words = tuple(w for w in words if w)
+        bad = [w for w in words if w not in self.choices]
+        if bad:
+            self.fail(f"{bad[0]!r} is not one of {', '.join(self.choices)}", param, ctx)
+        return words
+
+
 class JsonObject(click.ParamType):
     """A JSON object: text from the command line or a TOML string, or a TOML table from --config."""
 
@@ -217,7 +234,7 @@ def check_options(cfg: Any) -> None:
     for f in _cli_fields(type(cfg)):
         cli: Cli = f.metadata["cli"]
         value = getattr(cfg, f.name)
-        if value is None or (cli.range is None and cli.choices is None):
+        if value is None or (cli.range is None and cli.choices is None and not isinstance(cli.type, ChoiceList)):
             continue
         try:
             cli.click_type(_base_types(type(cfg))[f.name]).convert(value, None, None)
