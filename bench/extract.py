@@ -9,18 +9,19 @@ lognormal lengths (mean ~1.5k tokens, 128..3072). Both contenders write to the s
   batches, async device->host copy into pinned memory, the crash-safe sharded Zarr writer), with the
   forward of batch i queued before batch i-1 is written; with HF's eager decoder layers and with
   them compiled (`compile_decoder_layers`, dflash-extract's GPU default), each against the same
-  forward with nothing stored (the ceiling); per store codec and per number of writer threads
-  (`--compression`, `--write-streams`, each repeatable), so their effect is measured in one run.
+  forward with nothing stored (the ceiling); per store dtype, store codec and number of writer threads
+  (`--store-dtype`, `--compression`, `--write-streams`, each repeatable), so their effect is measured
+  in one run (fp8 is quantized on the GPU, as dflash-extract does, before the device->host copy).
 MFU counts useful work only: matmul FLOPs of the decoder layers up to the last stored layer plus
 causal attention, over real (unpadded) tokens, against a bf16 matmul rate measured in this run.
 
     python -m bench.extract --out-dir /tmp/bench --json result.json
+    python -m bench.extract --out-dir /tmp/bench --store-dtype bfloat16 --store-dtype float8_e4m3fn
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import shutil
 import time
@@ -35,7 +36,9 @@ from dflash_pipeline.data.tokens import TokenizedSample
 from dflash_pipeline.extract.plan import padded_fraction, plan_batches
 from dflash_pipeline.extract.worker import BatchRunner, run_batches
 from dflash_pipeline.shared.model.config import default_target_layer_ids
-from dflash_pipeline.shared.store.codec import DEFAULT_COMPRESSION
+from dflash_pipeline.shared.store.codec import default_compression
+from dflash_pipeline.shared.store.layout import SCALED_DTYPES
+from dflash_pipeline.shared.store.manifest import STORAGE_DTYPES
 from dflash_pipeline.shared.store.writer import WRITE_STREAMS, StoreWriter
 from dflash_pipeline.shared.target.loading import (
     HiddenStateCapture,
@@ -131,33 +134,47 @@ def bench_naive(model, samples, layer_ids, out: Path, batch_size: int = 8) -> di
 
 
 def bench_pipeline(
-    model, samples, layer_ids, out: Path, batch_tokens: int, compression: str, write_streams: int
+    model,
+    samples,
+    layer_ids,
+    out: Path,
+    batch_tokens: int,
+    compression: str,
+    write_streams: int,
+    store_dtype: str = "bfloat16",
 ) -> dict:
-    """`dflash-extract`'s own batch loop (`run_batches`) into the real crash-safe store writer."""
+    """`dflash-extract`'s own batch loop (`run_batches`) into the real crash-safe store writer, on
+    the model's device."""
     lengths = [len(s.input_ids) for s in samples]
     plan = plan_batches(lengths, batch_tokens, 64)
     width = model.config.hidden_size * len(layer_ids)
+    groups = len(layer_ids) if store_dtype in SCALED_DTYPES else 0
     shutil.rmtree(out, ignore_errors=True)
     writer = StoreWriter(
         out,
         0,
         hidden_width=width,
-        hidden_dtype="bfloat16",
+        hidden_dtype=store_dtype,
         capacity_tokens=sum(lengths),
         capacity_samples=len(samples),
         compression=compression,
         overwrite=True,
         write_streams=write_streams,
+        scale_groups=groups,
     )
-    runner = BatchRunner(model, layer_ids, torch.device("cuda"), torch.bfloat16, pad_id=0)
-    torch.cuda.synchronize()
+    device = next(model.parameters()).device
+    runner = BatchRunner(model, layer_ids, device, getattr(torch, store_dtype), pad_id=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t = time.perf_counter()
     _, writer_wait = run_batches(runner, samples, plan.batches, writer)
     writer.finalize()
     seconds = time.perf_counter() - t
     runner.capture.close()
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    row_bytes = width * np.dtype(STORAGE_DTYPES[store_dtype]).itemsize + 4 * groups  # states + scales, raw
     return {
+        "store_dtype": store_dtype,
         "compression": compression,
         "write_streams": write_streams,
         "seconds": seconds,
@@ -165,7 +182,7 @@ def bench_pipeline(
         "batches": len(plan.batches),
         "padding": padded_fraction(lengths, plan),
         "forward_waited_for_writer_s": writer_wait,
-        "write_GBps": width * 2 * sum(lengths) / seconds / 1e9,
+        "write_GBps": row_bytes * sum(lengths) / seconds / 1e9,
     }
 
 
@@ -219,7 +236,7 @@ def main() -> None:
         "--compression",
         action="append",
         default=None,
-        help=f"store codec(s) to run, repeatable [default: {DEFAULT_COMPRESSION}]",
+        help="store codec(s) to run, repeatable [default: each store dtype's default]",
     )
     ap.add_argument(
         "--write-streams",
@@ -227,6 +244,13 @@ def main() -> None:
         action="append",
         default=None,
         help=f"store writer threads to run, repeatable [default: {WRITE_STREAMS}]",
+    )
+    ap.add_argument(
+        "--store-dtype",
+        action="append",
+        default=None,
+        choices=sorted(STORAGE_DTYPES),
+        help="store dtype(s) to run, repeatable [default: bfloat16]",
     )
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--naive-samples", type=int, default=160, help="the naive baseline runs on the first N samples")
@@ -241,8 +265,8 @@ def main() -> None:
     config = qwen3_8b_config(full_layers)
     samples = synthetic_samples(args.samples, config.vocab_size, args.mean_len)
     peak = matmul_tflops("cuda")
-    compressions = args.compression or [DEFAULT_COMPRESSION]
     streams = args.write_streams or [WRITE_STREAMS]
+    store_dtypes = args.store_dtype or ["bfloat16"]
     result = {
         "layer_ids": layer_ids,
         "samples": len(samples),
@@ -283,8 +307,9 @@ def main() -> None:
             bench_forward_only(model, warm, layer_ids, args.batch_tokens)
         result[key] = bench_forward_only(model, samples, layer_ids, args.batch_tokens)
         rows.append((result[key], samples))
-        for c, n in itertools.product(compressions, streams):
-            run = bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, c, n)
+        runs = [(d, c, n) for d in store_dtypes for c in args.compression or [default_compression(d)] for n in streams]
+        for d, c, n in runs:
+            run = bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, c, n, d)
             run["compiled"] = compiled
             run["vs_forward_only"] = result[key]["seconds"] / run["seconds"]
             result["pipeline"].append(run)

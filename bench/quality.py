@@ -10,6 +10,11 @@ Every stage is the real CLI, run as a subprocess.
 On a machine without those packages (the lent GPU machine), `--gguf` and `--prompts` take the files
 that `bench/carry_assets.py` prepared and `bench/gpu_session.sh` reassembles there.
 
+`--store-dtype float8_e4m3fn` (repeatable, beside bfloat16) also trains and evaluates a drafter, with
+the same settings, on an fp8 copy of the store (`quantized_copy`: the same tokens, its bf16 states
+quantized as dflash-extract quantizes them when it computes in bf16, as on GPU): tau of fp8 against
+bf16 in one run.
+
     python -m bench.quality --out runs/quality --device cpu --json runs/quality/quality.json
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -67,6 +73,60 @@ def untrained_copy(trained: Path, out: Path, seed: int = 1) -> Path:
     return out
 
 
+def quantized_copy(store: Path, out: Path, hidden_dtype: str) -> Path:
+    """`store` (bf16) rewritten as a `hidden_dtype` store at `out` with that dtype's default codec:
+    same samples in the same groups, same manifest, states quantized by `shared.store.fp8` (the
+    extractor's own function)."""
+    from dflash_pipeline.shared.store import manifest as mf
+    from dflash_pipeline.shared.store.fp8 import quantize
+    from dflash_pipeline.shared.store.layout import StoreLayout
+    from dflash_pipeline.shared.store.reader import FeatureStore
+    from dflash_pipeline.shared.store.writer import StoreWriter
+
+    source = FeatureStore(store)
+    m = source.manifest
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(StoreLayout(store).target_dir, StoreLayout(out).target_dir)
+    entries, first = [], 0
+    for entry in source.shards:
+        writer = StoreWriter(
+            out,
+            entry.rank,
+            hidden_width=m.hidden_width,
+            hidden_dtype=hidden_dtype,
+            capacity_tokens=entry.tokens,
+            capacity_samples=entry.samples,
+            scale_groups=len(m.layer_ids),
+        )
+        for i in range(first, first + entry.samples):
+            s = source[i]
+            codes, scales = quantize(s.hidden_states, len(m.layer_ids))
+            writer.append_batch([(s.sample_index, s.input_ids.numpy(), s.loss_mask.numpy(), codes, scales)])
+        entries.append(writer.finalize())
+        first += entry.samples
+    fresh = mf.new_manifest(
+        target=m.target,
+        hidden_dtype=hidden_dtype,
+        world_size=m.world_size,
+        tokenizer_fingerprint=m.tokenizer_fingerprint,
+        data={k: v for k, v in m.data.items() if k != "counts"},
+        settings=m.settings,
+    )
+    mf.mark_complete(
+        out, fresh, shards=entries, weights_fingerprint=m.target["weights_fingerprint"], counts=m.data["counts"]
+    )
+    return out
+
+
+def hidden_bytes_per_token(store: Path) -> float:
+    """Bytes on disk of the stored states (and scales) per token."""
+    files = [f for f in (store / "shards").rglob("*") if f.is_file() and "/hidden_" in f.as_posix()]
+    return (
+        sum(f.stat().st_size for f in files)
+        / json.loads((store / "manifest.json").read_text())["data"]["counts"]["tokens"]
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -105,6 +165,12 @@ def main() -> None:
     ap.add_argument("--mask-token", default="<empty_output>", help="SmolLM2 has no mask token: a rare special one")
     ap.add_argument("--workers", type=int, default=2, help="CPU extraction processes (--device cpu)")
     ap.add_argument("--train-workers", type=int, default=2, help="CPU training processes (--device cpu)")
+    ap.add_argument(
+        "--store-dtype",
+        action="append",
+        choices=("bfloat16", "float8_e4m3fn"),
+        help="train and evaluate a drafter per store dtype, repeatable [default: bfloat16]",
+    )
     args = ap.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -151,48 +217,47 @@ def main() -> None:
     )
     t1 = time.perf_counter()
     train_where = ["--device", "cpu", "--workers", str(args.train_workers)] if args.device == "cpu" else where
-    run_step(
-        "train",
-        [
-            *cli,
-            "dflash_pipeline.train.cli",
-            "--store",
-            str(out / "store"),
-            "--out",
-            str(out / "train"),
-            *train_where,
-            "--num-layers",
-            str(args.num_layers),
-            "--block-size",
-            str(args.block_size),
-            "--pack-tokens",
-            str(args.pack_tokens),
-            "--num-blocks",
-            str(args.num_blocks),
-            "--max-steps",
-            str(args.steps),
-            "--epochs",
-            str(args.epochs),
-            "--eval-every",
-            str(max(1, args.steps // 4)),
-            "--checkpoint-every",
-            str(max(1, args.steps // 4)),
-            "--eval-samples",
-            "32",
-            "--lr",
-            str(args.lr),
-            "--loader-workers",
-            str(args.loader_workers),
-            "--mask-token-id",
-            str(mask_id),
-            "--resume",
-        ],
-    )
-    t2 = time.perf_counter()
-    trained = out / "train" / "drafter"
-    untrained = untrained_copy(trained, out / "untrained_drafter")
-    reports = {}
-    for name, drafter in (("trained", trained), ("untrained", untrained)):
+
+    def train(store: Path, run: Path) -> None:
+        run_step(
+            f"train {run.name}",
+            [
+                *cli,
+                "dflash_pipeline.train.cli",
+                "--store",
+                str(store),
+                "--out",
+                str(run),
+                *train_where,
+                "--num-layers",
+                str(args.num_layers),
+                "--block-size",
+                str(args.block_size),
+                "--pack-tokens",
+                str(args.pack_tokens),
+                "--num-blocks",
+                str(args.num_blocks),
+                "--max-steps",
+                str(args.steps),
+                "--epochs",
+                str(args.epochs),
+                "--eval-every",
+                str(max(1, args.steps // 4)),
+                "--checkpoint-every",
+                str(max(1, args.steps // 4)),
+                "--eval-samples",
+                "32",
+                "--lr",
+                str(args.lr),
+                "--loader-workers",
+                str(args.loader_workers),
+                "--mask-token-id",
+                str(mask_id),
+                "--resume",
+            ],
+        )
+
+    def evaluate(name: str, drafter: Path) -> dict:
         path = out / f"eval_{name}.json"
         # float32 on either device: the lossless check compares two decoders token for token, and
         # bf16 rounding can differ between a one-token step and a verified block.
@@ -219,10 +284,25 @@ def main() -> None:
                 str(path),
             ],
         )
-        reports[name] = json.loads(path.read_text())
-    t3 = time.perf_counter()
-    metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines() if line]
+        return json.loads(path.read_text())
+
+    reports, runs, seconds = {}, {}, {"extract": t1 - t0}
+    for dtype in args.store_dtype or ["bfloat16"]:
+        t = time.perf_counter()
+        # bf16 keeps the names of runs before fp8 existed
+        suffix = "" if dtype == "bfloat16" else f"_{dtype}"
+        store = out / "store" if dtype == "bfloat16" else quantized_copy(out / "store", out / f"store{suffix}", dtype)
+        runs[dtype] = (store, out / f"train{suffix}")
+        train(*runs[dtype])
+        seconds[f"train{suffix}"] = time.perf_counter() - t
+        reports[f"trained{suffix}"] = evaluate(f"trained{suffix}", runs[dtype][1] / "drafter")
+    first_run = next(iter(runs.values()))[1]
+    reports["untrained"] = evaluate("untrained", untrained_copy(first_run / "drafter", out / "untrained_drafter"))
     manifest = json.loads((out / "store" / "manifest.json").read_text())
+
+    def metrics(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+
     result = {
         "target": "SmolLM2-135M-Instruct",
         "device": args.device,
@@ -233,12 +313,18 @@ def main() -> None:
         "block_size": args.block_size,
         "steps": args.steps,
         "lr": args.lr,
-        "final_loss": next(r["loss"] for r in reversed(metrics) if "loss" in r),
-        "offline_tau": [r["tau"] for r in metrics if r.get("type") == "eval"],
         **{f"{name}_tau": r["tau"] for name, r in reports.items()},
         **{f"{name}_speedup": r["speedup"] for name, r in reports.items()},
         "all_lossless": all(r["all_lossless"] for r in reports.values()),
-        "seconds": {"extract": t1 - t0, "train": t2 - t1, "evaluate": t3 - t2, "total": time.perf_counter() - started},
+        "store_dtypes": {
+            dtype: {
+                "final_loss": next(r["loss"] for r in reversed(metrics(run)) if "loss" in r),
+                "offline_tau": [r["tau"] for r in metrics(run) if r.get("type") == "eval"],
+                "hidden_bytes_per_token": hidden_bytes_per_token(store),
+            }
+            for dtype, (store, run) in runs.items()
+        },
+        "seconds": {**seconds, "total": time.perf_counter() - started},
     }
     emit(result, args.json)
 

@@ -8,9 +8,13 @@ uncompiled flex. MFU counts matmul FLOPs (fwd x3 for trained weights, x2 for the
 against a bf16 matmul rate measured here. The loader is timed on a real on-disk store of random
 bf16 features through the trainer's feed (`train/feed.py`, at several worker counts; also from an
 uncompressed store) and compared with the packs/s the step consumes and with a stock DataLoader
-(pin-memory thread) over the same dataset.
+(pin-memory thread) over the same dataset. With `--store-dtype float8_e4m3fn` beside bfloat16, the
+compiled step is also timed on the fp8 batch (codes and scales on the GPU, dequantized in the step)
+and the loader on fp8 stores (half the bytes per pack). Without CUDA, `--loader-only` times the
+loader into CPU memory.
 
     python -m bench.train --scratch /tmp/bench_train --json result.json
+    python -m bench.train --scratch /tmp/bench_train --store-dtype bfloat16 --store-dtype float8_e4m3fn
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from dflash_pipeline.shared.model.config import DFlashConfig
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
 from dflash_pipeline.shared.model.loss import default_gamma
 from dflash_pipeline.shared.model.target_head import TargetHead
+from dflash_pipeline.shared.store.codec import default_compression
+from dflash_pipeline.shared.store.fp8 import quantize
+from dflash_pipeline.shared.store.layout import SCALED_DTYPES
+from dflash_pipeline.shared.store.manifest import STORAGE_DTYPES
+from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan
 from dflash_pipeline.train.step import pack_loss, to_device
 
@@ -91,8 +100,24 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> fl
     return (time.perf_counter() - t) / steps
 
 
+LAYER_IDS = [1, 9, 17, 25, 33]
+
+
+def as_stored(hidden: torch.Tensor, hidden_dtype: str) -> tuple[torch.Tensor, ...]:
+    """bf16 states [.., W] as a store of `hidden_dtype` holds them: themselves, or fp8 codes and scales."""
+    if hidden_dtype in SCALED_DTYPES:
+        return quantize(hidden.view(-1, hidden.shape[-1]), len(LAYER_IDS))
+    return (hidden.to(getattr(torch, hidden_dtype)),)
+
+
 def synthetic_store(
-    root: Path, width: int, vocab: int, samples: int, mean_len: int, compression: str | None = None
+    root: Path,
+    width: int,
+    vocab: int,
+    samples: int,
+    mean_len: int,
+    compression: str | None = None,
+    hidden_dtype: str = "bfloat16",
 ) -> None:
     """A complete on-disk store of random features, written by the real writer and manifest code."""
     from dflash_pipeline.shared.store import manifest as mf
@@ -104,18 +129,19 @@ def synthetic_store(
         root,
         0,
         hidden_width=width,
-        hidden_dtype="bfloat16",
+        hidden_dtype=hidden_dtype,
         capacity_tokens=int(lengths.sum()),
         capacity_samples=samples,
         overwrite=True,
-        **({"compression": compression} if compression else {}),
+        scale_groups=len(LAYER_IDS) if hidden_dtype in SCALED_DTYPES else 0,
+        compression=compression,
     )
     for i, L in enumerate(lengths):
         hidden = torch.from_numpy(rng.standard_normal((L, width), dtype=np.float32)).to(torch.bfloat16)
         ids = rng.integers(0, vocab, L).astype(np.int32)
         mask = np.zeros(L, np.uint8)
         mask[L // 4 :] = 1
-        w.append_batch([(i, ids, mask, hidden)])
+        w.append_batch([(i, ids, mask, *as_stored(hidden, hidden_dtype))])
     shard = w.finalize()
     m = mf.new_manifest(
         target={
@@ -125,9 +151,9 @@ def synthetic_store(
             "num_layers": 36,
             "hidden_size": width // 5,
             "vocab_size": vocab,
-            "layer_ids": [1, 9, 17, 25, 33],
+            "layer_ids": LAYER_IDS,
         },
-        hidden_dtype="bfloat16",
+        hidden_dtype=hidden_dtype,
         tokenizer_fingerprint="x",
         data={"paths": [], "fingerprint": "x"},
         settings={},
@@ -189,7 +215,7 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
     dataset = TimedSteps(str(root), plan, PackSpec(S, N, B, 0, 512))
     dataset.send_small = path == "slots_sent"
     schedule = plan.schedule(epochs)[: warm + steps]
-    device = torch.device("cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if path == "stock":
         batches = (
             to_device(b, device)
@@ -198,7 +224,7 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
                 batch_size=None,
                 sampler=[(e, k, None) for e, k in schedule],
                 num_workers=workers,
-                pin_memory=True,
+                pin_memory=device.type == "cuda",
                 prefetch_factor=2,
                 multiprocessing_context="spawn",
             )
@@ -211,7 +237,8 @@ def loader_rate(root: Path, workers: int, steps: int, path: str = "slots") -> di
     t, cpu = time.perf_counter(), time.process_time()
     for batch in batches:
         build += batch["build_s"]  # on the device: no wait for the copy, as a training step would not
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     build_s, gap_s = (build / steps).tolist()
     return {
         "packs_per_s": steps / (time.perf_counter() - t),
@@ -339,6 +366,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--loader-workers", type=int, default=8)
     ap.add_argument("--loader-steps", type=int, default=150, help="timed batches per loader run")
+    ap.add_argument("--loader-samples", type=int, default=48, help="samples (~1500 tokens each) per loader store")
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--loader-only", action="store_true", help="time only the data loader (no step, no compile)")
     ap.add_argument(
@@ -346,12 +374,25 @@ def main() -> None:
         action="store_true",
         help="also: page-cache read rates of the stores and a profile of one process building packs",
     )
+    ap.add_argument(
+        "--store-dtype",
+        action="append",
+        default=None,
+        choices=sorted(STORAGE_DTYPES),
+        help="store dtype(s) of the loader's stores and the step's batch, repeatable [default: bfloat16]",
+    )
     args = ap.parse_args()
-    device = torch.device("cuda")
+    dtypes = args.store_dtype or ["bfloat16"]
     target = qwen3_8b_config(36)
     cfg = DFlashConfig.for_target(
-        target.to_dict(), [1, 9, 17, 25, 33], mask_token_id=target.vocab_size - 1, num_layers=args.layers, block_size=B
+        target.to_dict(), LAYER_IDS, mask_token_id=target.vocab_size - 1, num_layers=args.layers, block_size=B
     )
+    if not torch.cuda.is_available():
+        if not args.loader_only:
+            ap.error("without CUDA only --loader-only runs (the loader into CPU memory)")
+        emit({"device": "cpu", "loader": run_loaders(args, cfg, dtypes, {})}, args.json)
+        return
+    device = torch.device("cuda")
     torch.manual_seed(0)
     model = DFlashDrafter(cfg).to(device)
     head = TargetHead(
@@ -373,15 +414,21 @@ def main() -> None:
     from dflash_pipeline.shared.model.attention import CompileCounter
 
     backends = [] if args.loader_only else ["flex_compiled", "sdpa_dense"] + ([] if args.skip_eager else ["flex_eager"])
-    for backend in backends:
+    # the trainer's path on each other store dtype's batch (dequantized in the step)
+    runs = [(b, b, batch) for b in backends] + [
+        (f"flex_compiled_{d}", "flex_compiled", stored_batch(batch, d))
+        for d in dtypes
+        if d != "bfloat16" and not args.loader_only
+    ]
+    for name, backend, run_batch in runs:
         with CompileCounter() as counter:
             try:
-                sec = time_steps(model, head, batch, backend, gamma, args.steps if backend != "flex_eager" else 3)
+                sec = time_steps(model, head, run_batch, backend, gamma, args.steps if backend != "flex_eager" else 3)
             except torch.OutOfMemoryError as exc:
-                result[backend] = {"error": f"OOM: {str(exc).splitlines()[0]}"}
+                result[name] = {"error": f"OOM: {str(exc).splitlines()[0]}"}
                 torch.cuda.empty_cache()
                 continue
-        result[backend] = {
+        result[name] = {
             "step_s": sec,
             "context_tokens_per_s": S / sec,
             "mfu": flops / sec / (peak * 1e12),
@@ -392,28 +439,48 @@ def main() -> None:
     for other in ("sdpa_dense", "flex_eager"):
         if fc and "step_s" in result.get(other, {}):
             result[f"compiled_flex_speedup_vs_{other}"] = result[other]["step_s"] / fc
-    scratch = Path(args.scratch)
-    shutil.rmtree(scratch, ignore_errors=True)
-    synthetic_store(scratch / "store", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500)
     if not args.loader_only:
         result["attention_only"] = attention_only(cfg, batch)
-    # the same from an uncompressed store (scatter reads, no decode)
-    synthetic_store(
-        scratch / "store_none", cfg.context_width, cfg.vocab_size, samples=48, mean_len=1500, compression="none"
-    )
-    loader = {"host_to_device_GBps": host_to_device_rates(cfg.context_width)}
+    step_s = {d: result.get("flex_compiled" + ("" if d == "bfloat16" else f"_{d}"), {}).get("step_s") for d in dtypes}
+    result["loader"] = run_loaders(args, cfg, dtypes, step_s)
+    emit(result, args.json)
+
+
+def stored_batch(batch: dict[str, torch.Tensor], hidden_dtype: str) -> dict[str, torch.Tensor]:
+    """`batch` with its context states as a `hidden_dtype` store's loader delivers them."""
+    stored = as_stored(batch["context_hidden"], hidden_dtype)
+    scales = {"context_scales": stored[1].view(*batch["context_hidden"].shape[:-1], -1)} if len(stored) > 1 else {}
+    return {**batch, "context_hidden": stored[0].view(batch["context_hidden"].shape), **scales}
+
+
+def run_loaders(args, cfg: DFlashConfig, dtypes: list[str], step_s: dict[str, float | None]) -> dict:
+    """Loader packs/s per store (each dtype with the default codec and uncompressed) against the
+    packs/s the compiled step consumes on that dtype's batches (`step_s`: seconds per pack, if timed)."""
+    scratch = Path(args.scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+    # each dtype's default codec, and uncompressed (scatter reads, no decode) where that is not the
+    # default; bf16 keeps its store names (bench/RESULTS.md)
+    stores = {
+        f"{name}{'' if d == 'bfloat16' else '_' + d}": (d, compression)
+        for d in dtypes
+        for name, compression in (("store", default_compression(d)), ("store_none", "none"))
+        if name == "store" or default_compression(d) != "none"
+    }
+    for name, (d, compression) in stores.items():
+        synthetic_store(scratch / name, cfg.context_width, cfg.vocab_size, args.loader_samples, 1500, compression, d)
+    loader = {"host_to_device_GBps": host_to_device_rates(cfg.context_width)} if torch.cuda.is_available() else {}
     if args.loader_diagnostics:
-        loader["page_cache_read_GBps"] = {
-            name: page_cache_read_rate(scratch / name) for name in ("store", "store_none")
-        }
-        loader["one_process_build_profile"] = build_profile(scratch / "store")
-    counts = sorted({args.loader_workers // 2, args.loader_workers, 14})
-    for name in ("store", "store_none"):
+        loader["page_cache_read_GBps"] = {name: page_cache_read_rate(scratch / name) for name in stores}
+        loader["one_process_build_profile"] = build_profile(scratch / next(iter(stores)))
+    counts = sorted(
+        {max(1, args.loader_workers // 2), args.loader_workers} | ({14} if torch.cuda.is_available() else set())
+    )
+    for name in stores:
         runs = {
             "inline": loader_rate(scratch / name, 0, steps=8, path="inline"),
             **{
                 w: loader_rate(scratch / name, w, steps=args.loader_steps)
-                for w in (counts if name == "store" else counts[-1:])
+                for w in (counts if not name.startswith("store_none") else counts[-1:])
             },
         }
         if name == "store":
@@ -421,21 +488,19 @@ def main() -> None:
                 scratch / name, args.loader_workers, steps=args.loader_steps, path="slots_sent"
             )
             runs["stock"] = loader_rate(scratch / name, args.loader_workers, steps=40, path="stock")
+            runs["speedup_vs_stock"] = runs[args.loader_workers]["packs_per_s"] / runs["stock"]["packs_per_s"]
+            runs["speedup_vs_small_arrays_sent"] = (
+                runs[args.loader_workers]["packs_per_s"] / runs["slots_sent"]["packs_per_s"]
+            )
+        best = max((w for w in counts if w in runs), key=lambda w: runs[w]["packs_per_s"])
+        runs["best_workers"], runs["packs_per_s"] = best, runs[best]["packs_per_s"]
+        runs["bytes_per_token"] = sum(f.stat().st_size for f in (scratch / name).rglob("*") if f.is_file()) / sum(
+            FeatureStore(scratch / name).lengths
+        )
+        if fc := step_s.get(stores[name][0]):
+            runs["consumed_packs_per_s"], runs["ratio"] = 1 / fc, runs["packs_per_s"] * fc
         loader[name] = runs
-    best = max(counts, key=lambda w: loader["store"][w]["packs_per_s"])
-    packs_per_s = loader["store"][best]["packs_per_s"]
-    result["loader"] = {
-        "best_workers": best,
-        "packs_per_s": packs_per_s,
-        **({"consumed_packs_per_s": 1 / fc, "ratio": packs_per_s * fc} if fc else {}),
-        "speedup_vs_stock": loader["store"][args.loader_workers]["packs_per_s"]
-        / loader["store"]["stock"]["packs_per_s"],
-        "speedup_vs_small_arrays_sent": (
-            loader["store"][args.loader_workers]["packs_per_s"] / loader["store"]["slots_sent"]["packs_per_s"]
-        ),
-        **loader,
-    }
-    emit(result, args.json)
+    return loader
 
 
 if __name__ == "__main__":

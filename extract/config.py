@@ -45,7 +45,11 @@ class ExtractConfig:
         choices=("auto", "bfloat16", "float16", "float32"),
         help="Compute dtype (auto: bf16 on GPU, fp32 on CPU).",
     )
-    store_dtype: str = option("bfloat16", choices=("bfloat16", "float16", "float32"))
+    store_dtype: str = option(
+        "bfloat16",
+        choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
+        help="dtype of the stored states; float8_e4m3fn halves bf16's bytes (one scale per token and layer).",
+    )
     compile: bool | None = option(
         None,
         flag="--compile/--no-compile",

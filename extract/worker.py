@@ -25,7 +25,8 @@ from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.plan import owns, padded_fraction, plan_batches
 from dflash_pipeline.shared.runtime.durable import write_bytes_durably
 from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
-from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.shared.store.fp8 import FP8, quantize
+from dflash_pipeline.shared.store.layout import SCALED_DTYPES, StoreLayout
 from dflash_pipeline.shared.store.writer import StoreWriter
 from dflash_pipeline.shared.target.loading import (
     HiddenStateCapture,
@@ -152,10 +153,12 @@ def pad_batch(samples: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor
 
 
 class BatchRunner:
-    """Runs batches through the truncated target and hands the states to the store writer."""
+    """Runs batches through the truncated target and hands the states to the store writer; an fp8
+    store's states are quantized on the device, so only codes and scales cross to the host."""
 
     def __init__(self, model, layer_ids: list[int], device: torch.device, store_dtype: torch.dtype, pad_id: int):
         self.model = model
+        self.layers = len(layer_ids)
         self.capture = HiddenStateCapture(model, layer_ids)
         self.device = device
         self.store_dtype = store_dtype
@@ -173,28 +176,30 @@ class BatchRunner:
         ids = ids.to(self.device, non_blocking=True)
         flat = flat.to(self.device, non_blocking=True)
         states = forward_hidden_states(self.model, self.capture, ids)
-        rows = torch.cat(states, dim=-1).flatten(0, 1).index_select(0, flat).to(self.store_dtype)
-        if not self.pin:  # on CPU `rows` is already a new host tensor
-            return samples, rows, None
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        rows = torch.cat(states, dim=-1).flatten(0, 1).index_select(0, flat)
+        parts = quantize(rows, self.layers) if self.store_dtype == FP8 else (rows.to(self.store_dtype),)
+        if not self.pin:  # on CPU `parts` are already new host tensors
+            return samples, parts, None
+        hosts = [torch.empty(part.shape, dtype=part.dtype, pin_memory=True) for part in parts]
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            host.copy_(rows, non_blocking=True)
-            rows.record_stream(self.copy_stream)  # its memory is not reused before the copy is done
+            for host, part in zip(hosts, parts):
+                host.copy_(part, non_blocking=True)
+                part.record_stream(self.copy_stream)  # its memory is not reused before the copy is done
             event = torch.cuda.Event()
             event.record()
-        return samples, host, event
+        return samples, hosts, event
 
     @staticmethod
     def collect(pending) -> list[tuple]:
-        """Wait for a launched batch's copy; its (index, ids, mask, states) rows for the writer."""
-        samples, host, event = pending
+        """Wait for a launched batch's copy; its (index, ids, mask, states[, scales]) rows for the writer."""
+        samples, hosts, event = pending
         if event is not None:
             event.synchronize()
         batch, start = [], 0
         for s in samples:
             n = len(s.input_ids)
-            batch.append((s.index, s.input_ids, s.loss_mask, host[start : start + n]))
+            batch.append((s.index, s.input_ids, s.loss_mask, *(host[start : start + n] for host in hosts)))
             start += n
         return batch
 
@@ -259,6 +264,7 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
                 ("chunk_tokens", cfg.chunk_tokens),
                 ("shard_tokens", cfg.shard_tokens),
                 ("write_streams", cfg.write_streams),
+                ("scale_groups", len(layer_ids) if cfg.store_dtype in SCALED_DTYPES else None),
             )
             if v is not None
         },

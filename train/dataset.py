@@ -122,12 +122,16 @@ def batch_layout(
     packs: int,
     hidden_width: int,
     hidden_dtype: torch.dtype,
+    scale_groups: int = 0,
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every tensor of a batch of `packs` packs: fixed by the spec, so a feed can
-    allocate its slots before any batch exists."""
+    allocate its slots before any batch exists. An fp8 store's batches carry its codes as stored and
+    their scales (`context_scales`, `scale_groups` per token), dequantized on the training device."""
     S, N, B = spec.pack_tokens, spec.num_blocks, spec.block_size
+    scales = {"context_scales": ((packs, S, scale_groups), torch.float32)} if scale_groups else {}
     return {
         "context_hidden": ((packs, S, hidden_width), hidden_dtype),
+        **scales,
         "context_doc": ((packs, S), torch.long),
         "context_positions": ((packs, S), torch.long),
         "block_ids": ((packs, N * B), torch.long),
@@ -157,23 +161,32 @@ def build_batch(
     out: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Packs stacked along a leading axis, written into `out` (tensors of `batch_layout`; new ones if
-    None), hidden states decoded straight into `out["context_hidden"]`."""
+    None), hidden states (and an fp8 store's scales) decoded straight into `out["context_hidden"]`
+    (`out["context_scales"]`)."""
     if out is None:
         shared = get_worker_info() is not None
-        layout = batch_layout(spec, len(packs), store.hidden_width, store.hidden_dtype)
+        layout = batch_layout(spec, len(packs), store.hidden_width, store.hidden_dtype, store.scale_groups)
         out = {key: _empty(shape, dtype, shared) for key, (shape, dtype) in layout.items()}
     for j, sample_ids in enumerate(packs):
-        part = build_pack(store, sample_ids, spec, seed, epoch, out["context_hidden"][j])
+        scales = out["context_scales"][j] if store.scale_groups else None
+        part = build_pack(store, sample_ids, spec, seed, epoch, out["context_hidden"][j], scales)
         for key, value in part.items():
             out[key][j] = value
     return out
 
 
 def build_pack(
-    store: FeatureStore, sample_ids: list[int], spec: PackSpec, seed: int, epoch: int, hidden: torch.Tensor
+    store: FeatureStore,
+    sample_ids: list[int],
+    spec: PackSpec,
+    seed: int,
+    epoch: int,
+    hidden: torch.Tensor,
+    scales: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Concatenate samples into one context of `pack_tokens` (their hidden states go into `hidden`,
-    [S, W], zero past the last sample), draw anchors per sample, build blocks."""
+    [S, W], an fp8 store's scales into `scales`, [S, layers], zero past the last sample), draw
+    anchors per sample, build blocks."""
     S = spec.pack_tokens
     ids = torch.zeros(S, dtype=torch.long)
     mask = torch.zeros(S, dtype=torch.bool)
@@ -188,12 +201,16 @@ def build_pack(
             break
         sl = slice(start, start + n)
         ids[sl], mask[sl], _ = store.read_tokens(shard, first, first + n, hidden_out=hidden[sl])
+        if scales is not None:
+            store.read_scales(shard, first, first + n, out=scales[sl])
         doc[sl] = d
         pos[sl] = torch.arange(n)
         gen = torch.Generator().manual_seed(hash_seed(seed, epoch, sid))
         anchors.append(sample_anchors(mask[sl], spec.max_anchors_per_sample, gen) + start)
         start += n
     hidden[start:] = 0
+    if scales is not None:
+        scales[start:] = 0
     anchors_all = torch.cat(anchors) if anchors else torch.zeros(0, dtype=torch.long)
     if len(anchors_all) > spec.num_blocks:
         gen = torch.Generator().manual_seed(hash_seed(seed, epoch, -1 - sample_ids[0]))

@@ -148,8 +148,9 @@ def device_batches(
             yield epoch, k, to_device(batch, device)
         return
     count = slots_needed(workers, prefetch)
+    store = dataset.store
     shapes = batch_layout(
-        dataset.spec, dataset.plan.packs_per_step, dataset.store.hidden_width, dataset.store.hidden_dtype
+        dataset.spec, dataset.plan.packs_per_step, store.hidden_width, store.hidden_dtype, store.scale_groups
     )
     ring = SlotRing(count, SlotLayout.of(shapes), pin=device.type == "cuda")
     loader = DataLoader(

@@ -9,6 +9,7 @@ from dflash_pipeline.shared.model.config import DFlashConfig, LayerAttention
 from dflash_pipeline.shared.model.drafter import DFlashDrafter, Mask
 from dflash_pipeline.shared.model.loss import SelectorWeights, acceptance_length, dflash_loss, selector_loss
 from dflash_pipeline.shared.model.target_head import TargetHead
+from dflash_pipeline.shared.store.fp8 import dequantize
 from dflash_pipeline.train.metrics import LOSS_TERMS
 
 FLEX_BACKENDS = ("flex_compiled", "flex_eager")
@@ -48,8 +49,16 @@ def drafter_hidden(model, head: TargetHead, batch: dict[str, torch.Tensor]) -> t
     dtype = core.fc.weight.dtype
     embeds = head.embed(batch["block_ids"], cfg.input_embedding_scale, dtype=dtype)
     masks = attention_masks(batch, cfg, core.attention_backend)
-    context = batch["context_hidden"].to(dtype)
+    context = context_states(batch, dtype)
     return model(context, embeds, batch["context_positions"], batch["block_positions"], masks)
+
+
+def context_states(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The batch's context states in `dtype`; an fp8 store's codes are dequantized here, on the
+    training device, so the loader and the host->device copy move half of bf16's bytes."""
+    if "context_scales" in batch:
+        return dequantize(batch["context_hidden"], batch["context_scales"], dtype)
+    return batch["context_hidden"].to(dtype)
 
 
 def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: float, selector_loss_weight: float = 1.0):

@@ -6,9 +6,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-FORMAT_VERSION = 1  # of the manifest and of the progress records
+FORMAT_VERSION = 1  # of the progress records, and of the manifest and groups of stores without scales
+# Of the manifest and groups of fp8 stores, which carry `hidden_scales`: a reader of version 1 refuses
+# them instead of taking their codes for features. Readers accept both; other stores stay version 1.
+SCALED_FORMAT_VERSION = 2
+SCALED_DTYPES = ("float8_e4m3fn",)  # hidden dtypes stored with one scale per (token, stored layer)
 TOKEN_ARRAYS = ("input_ids", "loss_mask", "hidden_states")  # [T] / [T, W] arrays of a rank group
+SCALES = "hidden_scales"  # [T, n_layers] float32 array of the groups of SCALED_DTYPES stores
 SAMPLE_ARRAYS = ("sample_offsets", "sample_index")  # its [N + 1] / [N] arrays
+
+
+def format_version(hidden_dtype: str) -> int:
+    """The format version of a store (manifest and groups) holding states of `hidden_dtype`."""
+    return SCALED_FORMAT_VERSION if hidden_dtype in SCALED_DTYPES else FORMAT_VERSION
+
+
+def token_arrays(hidden_dtype: str) -> tuple[str, ...]:
+    """The token-major arrays of a group holding states of `hidden_dtype`, in the writer's order."""
+    return TOKEN_ARRAYS + ((SCALES,) if hidden_dtype in SCALED_DTYPES else ())
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,24 @@ import torch
 
 from dflash_pipeline.shared.runtime.durable import write_bytes_durably
 from dflash_pipeline.shared.store.errors import ManifestError, StoreError, StoreIncomplete, StoreMismatch
-from dflash_pipeline.shared.store.layout import FORMAT_VERSION, StoreLayout
+from dflash_pipeline.shared.store.layout import (
+    FORMAT_VERSION,
+    SCALED_DTYPES,
+    SCALED_FORMAT_VERSION,
+    StoreLayout,
+    format_version,
+)
 from dflash_pipeline.shared.store.progress import ShardEntry, finished_shards
 
-# The physical zarr dtype that carries each logical hidden-state dtype (zarr 3.1 has no bfloat16).
-STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The physical zarr dtype that carries each logical hidden-state dtype (zarr 3.1 has neither bfloat16
+# nor float8: their bit patterns are stored).
+STORAGE_DTYPES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32", "float8_e4m3fn": "uint8"}
+TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 __all__ = [
     "Manifest",
@@ -76,7 +88,7 @@ class Manifest:
     chunk_tokens: int | None = None
     shard_tokens: int | None = None
     target_dir: str = StoreLayout.TARGET
-    format_version: int = FORMAT_VERSION
+    format_version: int | None = None  # None: the version of `hidden_dtype` (layout.format_version)
     # Where the manifest was loaded from; used in error messages, never serialized.
     root: str | None = field(default=None, compare=False, repr=False)
 
@@ -84,6 +96,12 @@ class Manifest:
         where = self.root or "manifest"
         if self.hidden_dtype not in STORAGE_DTYPES:
             raise ManifestError(f"{where}: hidden_dtype {self.hidden_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
+        version = format_version(self.hidden_dtype)
+        if self.format_version not in (None, version):
+            raise ManifestError(
+                f"{where}: format_version {self.format_version} does not hold hidden_dtype {self.hidden_dtype!r}"
+            )
+        self.format_version = version
         missing = [k for k in TARGET_KEYS if k not in self.target]
         if missing:
             raise ManifestError(f"{where}: target lacks {', '.join(missing)}")
@@ -109,6 +127,11 @@ class Manifest:
         return len(self.layer_ids) * self.hidden_size
 
     @property
+    def scale_groups(self) -> int:
+        """Scales per token in `hidden_scales` (one per stored layer); 0 for stores without scales."""
+        return len(self.layer_ids) if self.hidden_dtype in SCALED_DTYPES else 0
+
+    @property
     def num_samples(self) -> int:
         return sum(s.samples for s in self.shards)
 
@@ -126,9 +149,10 @@ class Manifest:
     def from_dict(cls, d: dict[str, Any], *, root: str | None = None) -> Manifest:
         where = root or "manifest"
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in (FORMAT_VERSION, SCALED_FORMAT_VERSION):
             raise ManifestError(
-                f"{where}: format_version {version!r} is not supported (this code reads {FORMAT_VERSION})"
+                f"{where}: format_version {version!r} is not supported "
+                f"(this code reads {FORMAT_VERSION} and {SCALED_FORMAT_VERSION})"
             )
         try:
             manifest = cls(**{k: v for k, v in d.items() if k != "storage_dtype"}, root=root)

@@ -12,8 +12,14 @@ import torch
 import zarr
 
 from dflash_pipeline.shared.store.errors import StoreError
-from dflash_pipeline.shared.store.layout import TOKEN_ARRAYS, StoreLayout
-from dflash_pipeline.shared.store.manifest import TORCH_DTYPES, Manifest, check_compatible, load_manifest
+from dflash_pipeline.shared.store.layout import SCALES, StoreLayout, token_arrays
+from dflash_pipeline.shared.store.manifest import (
+    STORAGE_DTYPES,
+    TORCH_DTYPES,
+    Manifest,
+    check_compatible,
+    load_manifest,
+)
 from dflash_pipeline.shared.store.progress import ShardEntry, read_progress
 from dflash_pipeline.shared.store.shard_io import ShardedArrayReader
 
@@ -22,8 +28,9 @@ from dflash_pipeline.shared.store.shard_io import ShardedArrayReader
 class Sample:
     input_ids: torch.Tensor  # int64 [S]
     loss_mask: torch.Tensor  # bool [S]
-    hidden_states: torch.Tensor  # logical dtype [S, W]
+    hidden_states: torch.Tensor  # logical dtype [S, W] (float8 codes in an fp8 store)
     sample_index: int
+    hidden_scales: torch.Tensor | None = None  # float32 [S, layers] of an fp8 store (shared.store.fp8)
 
 
 class FeatureStore:
@@ -55,15 +62,18 @@ class FeatureStore:
             group = zarr.open_group(self.root / entry.path, mode="r")
             offsets = group["sample_offsets"][: entry.samples + 1]
             hidden = group["hidden_states"]
+            groups = group[SCALES].shape[1] if SCALES in group else 0
             if (
                 offsets[-1] != entry.tokens
                 or hidden.shape[1] != self.manifest.hidden_width
                 or hidden.attrs.get("logical_dtype") != self.manifest.hidden_dtype
+                or groups != self.manifest.scale_groups
             ):
                 raise StoreError(
                     f"{self.root / entry.path}: shard disagrees with the manifest (tokens {offsets[-1]} vs "
                     f"{entry.tokens}, width {hidden.shape[1]} vs {self.manifest.hidden_width}, "
-                    f"dtype {hidden.attrs.get('logical_dtype')} vs {self.manifest.hidden_dtype})"
+                    f"dtype {hidden.attrs.get('logical_dtype')} vs {self.manifest.hidden_dtype}, "
+                    f"scales per token {groups} vs {self.manifest.scale_groups})"
                 )
             self._offsets.append(offsets)
             self._sample_index.append(group["sample_index"][: entry.samples])
@@ -81,7 +91,7 @@ class FeatureStore:
     def _shard_readers(self, shard: int) -> dict[str, ShardedArrayReader]:
         if self._readers is None:
             self._readers = [
-                {name: ShardedArrayReader(self.root / entry.path / name) for name in TOKEN_ARRAYS}
+                {name: ShardedArrayReader(self.root / entry.path / name) for name in self._token_arrays}
                 for entry in self.shards
             ]
         return self._readers[shard]
@@ -102,6 +112,15 @@ class FeatureStore:
     def hidden_dtype(self) -> torch.dtype:
         """The logical torch dtype of `Sample.hidden_states`."""
         return TORCH_DTYPES[self.manifest.hidden_dtype]
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales per token (`hidden_scales`, one per stored layer); 0 unless the store is fp8."""
+        return self.manifest.scale_groups
+
+    @property
+    def _token_arrays(self) -> tuple[str, ...]:
+        return token_arrays(self.manifest.hidden_dtype)
 
     @property
     def num_tokens(self) -> int:
@@ -132,11 +151,22 @@ class FeatureStore:
         start: int,
         stop: int,
         hidden_out: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, ...]:
         """Tokens [start, stop) of one shard as stored: int32 ids, uint8 mask, hidden in the storage
-        dtype (decoded into `hidden_out` when given: C-contiguous [stop-start, W])."""
+        dtype (decoded into `hidden_out` when given: C-contiguous [stop-start, W]), and in an fp8
+        store float32 scales [stop-start, layers]."""
         ids, mask = self.read_ids_and_mask(shard, start, stop)
-        return ids, mask, self._shard_readers(shard)["hidden_states"].read(start, stop, hidden_out)
+        readers = self._shard_readers(shard)
+        scales = [readers[name].read(start, stop) for name in self._token_arrays[3:]]
+        return ids, mask, readers["hidden_states"].read(start, stop, hidden_out), *scales
+
+    def read_scales(self, shard: int, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 scales [stop-start, layers] of tokens [start, stop) of one shard of an fp8
+        store, into `out` (contiguous) when given."""
+        if not self.scale_groups:
+            raise StoreError(f"{self.root}: a {self.manifest.hidden_dtype} store has no scales")
+        stored = self._shard_readers(shard)[SCALES].read(start, stop, None if out is None else out.numpy())
+        return torch.from_numpy(stored) if out is None else out
 
     def read_tokens(
         self,
@@ -146,13 +176,13 @@ class FeatureStore:
         hidden_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Contiguous tokens of one shard as tensors; `hidden_out` (a contiguous [stop-start, W] CPU
-        tensor of the logical dtype) receives the hidden states without an intermediate copy."""
-        bits = self.manifest.hidden_dtype == "bfloat16"
-        out = None if hidden_out is None else (hidden_out.view(torch.uint16) if bits else hidden_out).numpy()
-        ids, mask, stored = self.read_raw(shard, start, stop, out)
-        hidden = hidden_out
-        if hidden is None:
-            hidden = torch.from_numpy(stored).view(torch.bfloat16) if bits else torch.from_numpy(stored)
+        tensor of the logical dtype) receives the hidden states without an intermediate copy. The
+        scales of an fp8 store are read apart (`read_scales`)."""
+        carrier = getattr(torch, STORAGE_DTYPES[self.manifest.hidden_dtype])
+        out = None if hidden_out is None else hidden_out.view(carrier).numpy()
+        ids, mask = self.read_ids_and_mask(shard, start, stop)
+        stored = self._shard_readers(shard)["hidden_states"].read(start, stop, out)
+        hidden = torch.from_numpy(stored).view(self.hidden_dtype) if hidden_out is None else hidden_out
         return torch.from_numpy(ids).long(), torch.from_numpy(mask).bool(), hidden
 
     def sample_span(self, i: int) -> tuple[int, int, int, int]:
@@ -164,7 +194,8 @@ class FeatureStore:
     def __getitem__(self, i: int) -> Sample:
         shard, start, stop, index = self.sample_span(i)
         ids, mask, hidden = self.read_tokens(shard, start, stop)
-        return Sample(input_ids=ids, loss_mask=mask, hidden_states=hidden, sample_index=index)
+        scales = self.read_scales(shard, start, stop) if self.scale_groups else None
+        return Sample(input_ids=ids, loss_mask=mask, hidden_states=hidden, sample_index=index, hidden_scales=scales)
 
 
 def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:

@@ -1,8 +1,9 @@
 """The crash-safe writer of one rank's group of a feature store.
 
 Layout (docs/FORMAT.md has the bytes): `ROOT/shards/rank-XXXXX.zarr` holds `input_ids` int32 [T],
-`loss_mask` uint8 [T], `hidden_states` [T, W] (bfloat16 stored as its uint16 bit pattern),
-`sample_offsets` int64 [N+1] and `sample_index` int64 [N]; `ROOT/shards/rank-XXXXX.progress.json`
+`loss_mask` uint8 [T], `hidden_states` [T, W] (bfloat16 stored as its uint16 bit pattern, float8 as
+uint8), for float8 `hidden_scales` float32 [T, layers], `sample_offsets` int64 [N+1] and
+`sample_index` int64 [N]; `ROOT/shards/rank-XXXXX.progress.json`
 is that rank's commit record. Token arrays are chunked along tokens and sharded (Zarr v3 sharding
 codec, crc32c on every chunk and every shard index).
 
@@ -37,9 +38,17 @@ import zarr.codecs
 from zarr.core.sync import sync
 
 from dflash_pipeline.shared.runtime.durable import fsync_path, write_bytes_durably
-from dflash_pipeline.shared.store.codec import DEFAULT_COMPRESSION, codec_pool, default_chunking, parse_compression
+from dflash_pipeline.shared.store.codec import codec_pool, default_chunking, default_compression, parse_compression
 from dflash_pipeline.shared.store.errors import StoreError, StoreMismatch
-from dflash_pipeline.shared.store.layout import FORMAT_VERSION, SAMPLE_ARRAYS, TOKEN_ARRAYS, StoreLayout
+from dflash_pipeline.shared.store.layout import (
+    FORMAT_VERSION,
+    SAMPLE_ARRAYS,
+    SCALED_DTYPES,
+    SCALES,
+    StoreLayout,
+    format_version,
+    token_arrays,
+)
 from dflash_pipeline.shared.store.manifest import STORAGE_DTYPES, TORCH_DTYPES
 from dflash_pipeline.shared.store.progress import ShardEntry, read_progress
 from dflash_pipeline.shared.store.shard_io import ShardFormat, write_shards
@@ -69,11 +78,14 @@ def _fsync_path(path: Path) -> None:
 
 
 class _ShardRows:
-    """The token rows of one shard (ids, mask, hidden), filled in order and then written whole. A full
-    one goes to a write thread untouched while the next fills, so rows are copied in exactly once."""
+    """The token rows of one shard (ids, mask, hidden, scales of a scaled store), filled in order and
+    then written whole. A full one goes to a write thread untouched while the next fills, so rows are
+    copied in exactly once."""
 
-    def __init__(self, width: int, dtype: np.dtype, rows: int, start: int) -> None:
+    def __init__(self, width: int, dtype: np.dtype, rows: int, start: int, scale_groups: int) -> None:
         self.arrays = [np.empty(rows, np.int32), np.empty(rows, np.uint8), np.empty((rows, width), dtype)]
+        if scale_groups:
+            self.arrays.append(np.empty((rows, scale_groups), np.float32))
         self.start = start  # absolute token index of row 0 (a multiple of the shard size)
         self.n = 0
 
@@ -99,7 +111,9 @@ class StoreWriter:
 
     Opening is also resuming: with a progress record present the writer continues from its commit
     point (the caller skips the first `resume()` batches); without one any leftover group is deleted
-    and created afresh. `overwrite=True` always starts afresh.
+    and created afresh. `overwrite=True` always starts afresh. A float8 store takes `scale_groups`
+    (the stored layers, each with its own scale per token: `shared.store.fp8`). `compression` None
+    is the dtype's default (`codec.default_compression`).
     """
 
     def __init__(
@@ -113,17 +127,25 @@ class StoreWriter:
         capacity_samples: int,
         chunk_tokens: int | None = None,
         shard_tokens: int | None = None,
-        compression: str = DEFAULT_COMPRESSION,
+        compression: str | None = None,
         overwrite: bool = False,
         write_streams: int = WRITE_STREAMS,
+        scale_groups: int = 0,
     ) -> None:
         if hidden_dtype not in STORAGE_DTYPES:
             raise ValueError(f"hidden_dtype {hidden_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
+        scaled = hidden_dtype in SCALED_DTYPES
+        if scaled != (scale_groups > 0) or (scaled and hidden_width % scale_groups):
+            raise ValueError(
+                f"scale_groups {scale_groups}: a {hidden_dtype} store takes "
+                + (f"a divisor of the width {hidden_width}" if scaled else "none")
+            )
         default_chunk, default_shard = default_chunking(hidden_width, hidden_dtype)
         chunk_tokens = chunk_tokens or default_chunk
         shard_tokens = shard_tokens or max(default_shard, chunk_tokens)
         if shard_tokens % chunk_tokens:
             raise ValueError(f"shard_tokens {shard_tokens} is not a multiple of chunk_tokens {chunk_tokens}")
+        compression = compression or default_compression(hidden_dtype)
         parse_compression(compression)  # fail before touching the disk
         if write_streams < 1:
             raise ValueError(f"write_streams must be >= 1, got {write_streams}")
@@ -136,6 +158,8 @@ class StoreWriter:
         self.hidden_dtype = hidden_dtype
         self.storage_dtype = np.dtype(STORAGE_DTYPES[hidden_dtype])
         self.shard_tokens = shard_tokens
+        self.scale_groups = scale_groups
+        self.token_arrays = token_arrays(hidden_dtype)
         self.layout = {
             "hidden_width": int(hidden_width),
             "hidden_dtype": hidden_dtype,
@@ -145,6 +169,7 @@ class StoreWriter:
             "chunk_tokens": int(chunk_tokens),
             "shard_tokens": int(shard_tokens),
             "compression": compression,
+            **({"scale_groups": scale_groups} if scaled else {}),
         }
         if overwrite or not self.progress_file.exists():
             self._create()
@@ -161,7 +186,9 @@ class StoreWriter:
         # crc32c last: every stored chunk carries its checksum, checked on every read.
         compressors = [*parse_compression(lay["compression"]), zarr.codecs.Crc32cCodec()]
         group = zarr.open_group(
-            self.group_dir, mode="w", attributes={"format_version": FORMAT_VERSION, "rank": self.rank}
+            self.group_dir,
+            mode="w",
+            attributes={"format_version": format_version(self.hidden_dtype), "rank": self.rank},
         )
         cap_t, cap_n, shard = max(1, lay["capacity_tokens"]), max(1, lay["capacity_samples"]), lay["shard_tokens"]
 
@@ -188,6 +215,9 @@ class StoreWriter:
             (shard, lay["hidden_width"]),
             logical_dtype=self.hidden_dtype,
         )
+        if self.scale_groups:
+            groups = self.scale_groups
+            create(SCALES, (cap_t, groups), "float32", (lay["chunk_tokens"], groups), (shard, groups))
         create("sample_offsets", (cap_n + 1,), "int64", (SAMPLE_CHUNK,), None)
         create("sample_index", (cap_n,), "int64", (SAMPLE_CHUNK,), None)
         self._open_arrays()
@@ -220,27 +250,25 @@ class StoreWriter:
             self._set_state(commit, offsets, index)
             return
         # A crash during finalize may have left the arrays trimmed; give them their capacity back.
-        self._resize(
-            {
-                "input_ids": (self._cap_t,),
-                "loss_mask": (self._cap_t,),
-                "hidden_states": (self._cap_t, self.layout["hidden_width"]),
-                "sample_offsets": (self._cap_n + 1,),
-                "sample_index": (self._cap_n,),
-            }
-        )
+        self._resize(self._shapes(self._cap_t, self._cap_n))
         self._set_state(commit, offsets, index)
         if commit.tokens > self._shard.start:
-            self._shard.fill([self._arrays[name][self._shard.start : commit.tokens] for name in TOKEN_ARRAYS], 0)
+            self._shard.fill([self._arrays[name][self._shard.start : commit.tokens] for name in self.token_arrays], 0)
+
+    def _shapes(self, tokens: int, samples: int) -> dict[str, tuple[int, ...]]:
+        """Every array's shape for `tokens` tokens and `samples` samples."""
+        rows = {"hidden_states": self.layout["hidden_width"], SCALES: self.scale_groups}
+        shapes = {name: (tokens,) + ((rows[name],) if name in rows else ()) for name in self.token_arrays}
+        return {**shapes, "sample_offsets": (samples + 1,), "sample_index": (samples,)}
 
     def _open_arrays(self) -> None:
         group = zarr.open_group(self.group_dir, mode="r+")
         # write_empty_chunks: zarr would otherwise compare every chunk with the fill value first.
         self._arrays = {
-            name: group[name].with_config({"write_empty_chunks": True}) for name in TOKEN_ARRAYS + SAMPLE_ARRAYS
+            name: group[name].with_config({"write_empty_chunks": True}) for name in self.token_arrays + SAMPLE_ARRAYS
         }
         # Token rows bypass zarr's per-chunk write path (shard_io writes the same bytes, faster).
-        self._formats = {name: ShardFormat.of(self.group_dir / name) for name in TOKEN_ARRAYS}
+        self._formats = {name: ShardFormat.of(self.group_dir / name) for name in self.token_arrays}
         self._cap_t = max(1, self.layout["capacity_tokens"])
         self._cap_n = max(1, self.layout["capacity_samples"])
 
@@ -260,7 +288,7 @@ class StoreWriter:
     def _new_shard(self, start: int) -> _ShardRows:
         if self._spare:
             return self._spare.pop().reuse(start)
-        return _ShardRows(self.layout["hidden_width"], self.storage_dtype, self.shard_tokens, start)
+        return _ShardRows(self.layout["hidden_width"], self.storage_dtype, self.shard_tokens, start, self.scale_groups)
 
     # ---------------------------------------------------------------- writing
     @property
@@ -272,7 +300,8 @@ class StoreWriter:
         return self._commit.batches
 
     def append_batch(self, batch: Iterable[Sequence[Any]]) -> None:
-        """Buffer one batch of (sample_index, input_ids [S], loss_mask [S], hidden [S, W]) samples;
+        """Buffer one batch of (sample_index, input_ids [S], loss_mask [S], hidden [S, W]) samples, in
+        a scaled store (sample_index, input_ids, loss_mask, codes [S, W], scales [S, scale_groups]);
         whole shards that become full are written and the batches they complete committed."""
         if self._commit.done:
             raise StoreError(f"{self.group_dir}: rank store is finalized; nothing more can be appended")
@@ -286,21 +315,25 @@ class StoreWriter:
                 f"({cap_t} tokens, {cap_n} samples)"
             )
         self._raise_if_failed()
-        for index, ids, mask, hidden in rows:
+        for index, *token_rows in rows:
             taken = 0
-            while taken < len(ids):
-                taken += self._shard.fill((ids, mask, hidden), taken)
+            while taken < len(token_rows[0]):
+                taken += self._shard.fill(token_rows, taken)
                 if self._shard.full:
                     self._send(self._shard)
                     self._shard = self._new_shard(self._shard.start + self.shard_tokens)
             self._index.append(index)
-            self._offsets.append(self._offsets[-1] + len(ids))
+            self._offsets.append(self._offsets[-1] + len(token_rows[0]))
         self._batches += 1
         self._pending.append((end, len(self._index)))
         self._collect(keep=self.write_streams)
 
-    def _validate(self, index: Any, ids: Any, mask: Any, hidden: Any) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    def _validate(self, index: Any, ids: Any, mask: Any, hidden: Any, *scales: Any) -> tuple[Any, ...]:
         where = f"{self.group_dir}: sample {index}"
+        if len(scales) != (self.scale_groups > 0):
+            raise ValueError(
+                f"{where}: a {self.hidden_dtype} store takes {3 + (self.scale_groups > 0)} arrays a sample"
+            )
         ids = np.asarray(ids.numpy() if isinstance(ids, torch.Tensor) else ids)
         mask = np.asarray(mask.numpy() if isinstance(mask, torch.Tensor) else mask)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
@@ -314,8 +347,7 @@ class StoreWriter:
                 raise ValueError(
                     f"{where}: hidden must be a CPU {self.hidden_dtype} tensor, got {hidden.dtype} on {hidden.device}"
                 )
-            hidden = hidden.contiguous()
-            hidden = (hidden.view(torch.uint16) if self.hidden_dtype == "bfloat16" else hidden).numpy()
+            hidden = hidden.contiguous().view(getattr(torch, self.layout["storage_dtype"])).numpy()
         hidden = np.asarray(hidden)
         if hidden.dtype != self.storage_dtype:
             raise ValueError(
@@ -325,7 +357,16 @@ class StoreWriter:
             raise ValueError(
                 f"{where}: hidden has shape {hidden.shape}, expected {(ids.size, self.layout['hidden_width'])}"
             )
-        return int(index), ids.astype(np.int32, copy=False), mask.astype(np.uint8, copy=False), hidden
+        rows = (int(index), ids.astype(np.int32, copy=False), mask.astype(np.uint8, copy=False), hidden)
+        if not scales:
+            return rows
+        scales = np.asarray(scales[0].numpy() if isinstance(scales[0], torch.Tensor) else scales[0])
+        if scales.dtype != np.float32 or scales.shape != (ids.size, self.scale_groups):
+            raise ValueError(
+                f"{where}: scales must be float32 of shape {(ids.size, self.scale_groups)}, "
+                f"got {scales.dtype} {scales.shape}"
+            )
+        return (*rows, scales)
 
     def flush_shards(self) -> None:
         """Wait until every full shard handed to the write threads is durable, then commit the
@@ -368,9 +409,10 @@ class StoreWriter:
         """Write one shard's rows as whole shard files, fsynced, and the directories naming them."""
         k = shard.start // self.shard_tokens
         write_shards(
-            [(self._formats[name], k, rows[: shard.n]) for name, rows in zip(TOKEN_ARRAYS, shard.arrays)], codec_pool()
+            [(self._formats[name], k, rows[: shard.n]) for name, rows in zip(self.token_arrays, shard.arrays)],
+            codec_pool(),
         )
-        for name in TOKEN_ARRAYS:
+        for name in self.token_arrays:
             self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1)], files=False)
 
     def _fsync_chunks(self, name: str, coords: list[tuple[int, ...]], files: bool = True) -> None:
@@ -456,16 +498,7 @@ class StoreWriter:
                 self._pool.shutdown()
                 self._pool = None
             total_t, total_n = self._offsets[-1], len(self._index)
-            width = self.layout["hidden_width"]
-            self._resize(
-                {
-                    "input_ids": (total_t,),
-                    "loss_mask": (total_t,),
-                    "hidden_states": (total_t, width),
-                    "sample_offsets": (total_n + 1,),
-                    "sample_index": (total_n,),
-                }
-            )
+            self._resize(self._shapes(total_t, total_n))
             if self._shard.n:
                 self._write_shard(self._shard)
             self._write_sample_arrays(self._commit.samples, total_n)

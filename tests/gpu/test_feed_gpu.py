@@ -17,13 +17,16 @@ from dflash_pipeline.train.feed import device_batches, slots_needed
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("workers, prefetch", [(1, 1), (2, 2)])
+@pytest.mark.parametrize(
+    "workers, prefetch, store_dtype", [(1, 1, "bfloat16"), (2, 2, "bfloat16"), (2, 2, "float8_e4m3fn")]
+)
 def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(
-    tiny_target_dir, tmp_path, monkeypatch, workers, prefetch
+    tiny_target_dir, tmp_path, monkeypatch, workers, prefetch, store_dtype
 ):
     """Every batch kept on the device and compared at the end, while the current stream is kept
     busy (as a training step would) so copies on the feed's stream run beside it: a slot refilled
-    before its copy finished, or a batch read before its copy landed, shows as a mismatch."""
+    before its copy finished, or a batch read before its copy landed, shows as a mismatch. An fp8
+    store's batches carry codes and scales (compared as bytes)."""
     data = tmp_path / "corpus.jsonl"
     data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:64]) + "\n")
     run_extraction(
@@ -34,6 +37,7 @@ def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(
             device="cpu",
             max_length=256,
             batch_tokens=2048,
+            store_dtype=store_dtype,
         )
     )
     store = FeatureStore(tmp_path / "store")
@@ -55,4 +59,5 @@ def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(
         want = build_batch(store, plan.epoch_packs(epoch)[2 * k : 2 * k + 2], spec, 1, epoch)
         assert batch.keys() == want.keys()
         for key, value in want.items():
-            assert batch[key].device.type == "cuda" and torch.equal(batch[key].cpu(), value), (epoch, k, key)
+            got_bytes, want_bytes = batch[key].cpu().view(torch.uint8), value.view(torch.uint8)
+            assert batch[key].device.type == "cuda" and torch.equal(got_bytes, want_bytes), (epoch, k, key)
