@@ -273,7 +273,12 @@ def report(args) -> dict:
             "steps": max((r["step"] for r in records if "step" in r), default=0),
             "final_loss": next((r["loss"] for r in reversed(records) if r.get("type") != "eval" and "loss" in r), None),
             "curve": [
-                {"step": r["step"], "train_tokens": r["step"] * tokens_per_step, "offline_tau": r["tau"]}
+                {
+                    "step": r["step"],
+                    "train_tokens": r["step"] * tokens_per_step,
+                    "offline_tau": r["tau"],
+                    **{key: r[key] for key in ("ce_loss", "selector_loss") if key in r},  # DFlash-2's held-out terms
+                }
                 for r in records
                 if r.get("type") == "eval"
             ],
