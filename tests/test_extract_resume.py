@@ -30,14 +30,20 @@ def command(target: Path, data: Path, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def committed_batches(out: Path) -> int:
-    total = 0
+def rank_progress(out: Path) -> dict[int, dict]:
+    """Each rank's progress record as far as it is written yet (batches committed, done)."""
+    records = {}
     for p in (out / "shards").glob("rank-*.progress.json"):
         try:
-            total += json.loads(p.read_text()).get("batches", 0)
+            record = json.loads(p.read_text())
         except (OSError, ValueError):
-            pass
-    return total
+            continue
+        records[record["rank"]] = record
+    return records
+
+
+def committed_batches(out: Path) -> int:
+    return sum(r.get("batches", 0) for r in rank_progress(out).values())
 
 
 def children_of(pid: int) -> list[int]:
@@ -62,9 +68,14 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill_worker: b
     if kill_worker:
         # the rank processes only: not the resource tracker, nor a short-lived helper process of the
         # parent (a library calling a shell tool), whose kill would leave the run to finish normally
-        workers = [p for p in children_of(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-        assert len(workers) == 2, workers
-        os.kill(workers[-1], signal.SIGKILL)
+        workers = sorted(p for p in children_of(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())
+        assert len(workers) == 2, workers  # started in rank order
+        # a rank with work left: one that already finished reported its result, and the run would
+        # rightly complete without it (seen under CI load, where one rank ran far ahead)
+        progress = rank_progress(out)
+        busy = [r for r in range(2) if not progress.get(r, {}).get("done")]
+        assert busy, "both ranks finished before the kill"
+        os.kill(workers[min(busy, key=lambda r: progress.get(r, {}).get("batches", 0))], signal.SIGKILL)
     else:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)

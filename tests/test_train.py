@@ -18,7 +18,7 @@ import torch
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import run_extraction
-from dflash_pipeline.shared.runtime.launch import free_port, spawn_ranks
+from dflash_pipeline.shared.runtime.launch import spawn_ranks
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, batch_layout, build_batch, build_pack
@@ -80,6 +80,14 @@ def base_config(store: Path, out: Path, **kw) -> TrainConfig:
         lr=1e-3,
         **kw,
     )
+
+
+def rendezvous_file(folder: Path) -> str:
+    """A file store for ranks run without the trainer's Cluster (which keeps rank 0's TCP store up until
+    every rank leaves): a TCP store dies with rank 0's process, and a rank still using it then waits.
+    Once under CI load this test hung 18 minutes with rank 0 exited and rank 1 alive, most likely so;
+    a file outlives every rank."""
+    return f"file://{folder / 'rendezvous'}"
 
 
 def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None) -> dict[str, np.ndarray]:
@@ -237,10 +245,10 @@ def groups_from_rank0(rank: int, world: int, store_dir: str, init: str) -> np.nd
         torch.distributed.destroy_process_group()
 
 
-def test_prompt_groups_are_read_on_rank_0_and_sent_to_every_rank(store_dir):
+def test_prompt_groups_are_read_on_rank_0_and_sent_to_every_rank(store_dir, tmp_path):
     from dflash_pipeline.train.holdout import prompt_groups
 
-    got = spawn_ranks(groups_from_rank0, 3, (3, str(store_dir), f"tcp://127.0.0.1:{free_port()}"))
+    got = spawn_ranks(groups_from_rank0, 3, (3, str(store_dir), rendezvous_file(tmp_path)))
     want = prompt_groups(FeatureStore(store_dir))
     assert len(want) > 1 and all(g.dtype == np.int64 and np.array_equal(g, want) for g in got)
 
@@ -254,7 +262,7 @@ def test_ddp_gradients_equal_single_process(store_dir, tmp_path, arch):
     if arch == "dflash2":
         cfg = dflash2_config(store_dir, tmp_path / "run")
     single = global_batch_grads(0, 1, cfg, None)
-    ranks = spawn_ranks(global_batch_grads, 2, (2, cfg, f"tcp://127.0.0.1:{free_port()}"))
+    ranks = spawn_ranks(global_batch_grads, 2, (2, cfg, rendezvous_file(tmp_path)))
     assert set(single) == set(ranks[0]) and len(single) > 5
     for name, g in single.items():
         np.testing.assert_allclose(ranks[0][name], g, rtol=1e-4, atol=1e-6, err_msg=name)

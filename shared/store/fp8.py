@@ -22,7 +22,10 @@ def quantize(rows: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tenso
     tokens, width = rows.shape
     grouped = rows.view(tokens, groups, width // groups)
     # max |x| is exact in any float dtype; the inf-norm takes it without a temporary |x| the size of rows
-    scales = torch.linalg.vector_norm(grouped, ord=float("inf"), dim=-1).float() / FP8_MAX
+    amax = torch.linalg.vector_norm(grouped, ord=float("inf"), dim=-1).float()
+    # divided by a tensor, not the Python number: CUDA turns division by a scalar into multiplication
+    # by its rounded reciprocal, which differs from amax / 448 in the last bit for about half the rows
+    scales = amax / torch.full_like(amax, FP8_MAX)
     divisor = torch.where(scales > 0, scales, 1.0)  # an all-zero row stays zero
     codes = torch.empty(tokens, groups, width // groups, dtype=FP8, device=rows.device)
     for g in range(groups):  # one layer at a time: the float32 temporary is [T, H], not [T, W]
