@@ -18,7 +18,7 @@ import torch
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import run_extraction
-from dflash_pipeline.shared.runtime.launch import spawn_ranks
+from dflash_pipeline.shared.runtime.launch import free_port, spawn_ranks
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, batch_layout, build_batch, build_pack
@@ -82,39 +82,38 @@ def base_config(store: Path, out: Path, **kw) -> TrainConfig:
     )
 
 
-def rendezvous_file(folder: Path) -> str:
-    """A file store for ranks run without the trainer's Cluster (which keeps rank 0's TCP store up until
-    every rank leaves): a TCP store dies with rank 0's process, and a rank still using it then waits.
-    Once under CI load this test hung 18 minutes with rank 0 exited and rank 1 alive, most likely so;
-    a file outlives every rank."""
-    return f"file://{folder / 'rendezvous'}"
-
-
 def global_batch_grads(rank: int, world: int, cfg: TrainConfig, init: str | None) -> dict[str, np.ndarray]:
     """Gradients after one backward on the first global batch (2 packs), as DDP would see them."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
     init_distributed(rank, world, device, init)
     try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from dflash_pipeline.train.loop import all_sum
-
-        store = FeatureStore(cfg.store)
-        model, head = build_model(cfg, store, device)
-        ddp = DDP(model) if world > 1 else model
-        lengths = np.asarray(store.lengths)
-        spec = PackSpec.for_drafter(model.config, cfg.pack_tokens, cfg.num_blocks, 512)
-        per_rank = 2 // world
-        packs = rank_slice(plan_packs(np.arange(len(store)), lengths, cfg.pack_tokens, 0, 0), rank, world, per_rank)
-        batch = build_batch(store, packs[:per_rank], spec, 0, 0)
-        loss_sum, weight, _ = pack_loss(ddp, head, batch, 4.0)
-        (global_weight,) = all_sum([float(weight)], device)
-        (loss_sum * (world / global_weight)).backward()
-        return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+        # the DDP wrapper is freed when this call returns, before the group is destroyed: freed after,
+        # its reducer drops the last reference to the gloo group, whose destructor can wait forever
+        # on a peer that has exited (this test hung twice under CI load)
+        return ddp_backward_grads(rank, world, cfg, device)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def ddp_backward_grads(rank: int, world: int, cfg: TrainConfig, device: torch.device) -> dict[str, np.ndarray]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dflash_pipeline.train.loop import all_sum
+
+    store = FeatureStore(cfg.store)
+    model, head = build_model(cfg, store, device)
+    ddp = DDP(model) if world > 1 else model
+    lengths = np.asarray(store.lengths)
+    spec = PackSpec.for_drafter(model.config, cfg.pack_tokens, cfg.num_blocks, 512)
+    per_rank = 2 // world
+    packs = rank_slice(plan_packs(np.arange(len(store)), lengths, cfg.pack_tokens, 0, 0), rank, world, per_rank)
+    batch = build_batch(store, packs[:per_rank], spec, 0, 0)
+    loss_sum, weight, _ = pack_loss(ddp, head, batch, 4.0)
+    (global_weight,) = all_sum([float(weight)], device)
+    (loss_sum * (world / global_weight)).backward()
+    return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("workers, prefetch", [(2, 2), (1, 1)])
@@ -245,10 +244,10 @@ def groups_from_rank0(rank: int, world: int, store_dir: str, init: str) -> np.nd
         torch.distributed.destroy_process_group()
 
 
-def test_prompt_groups_are_read_on_rank_0_and_sent_to_every_rank(store_dir, tmp_path):
+def test_prompt_groups_are_read_on_rank_0_and_sent_to_every_rank(store_dir):
     from dflash_pipeline.train.holdout import prompt_groups
 
-    got = spawn_ranks(groups_from_rank0, 3, (3, str(store_dir), rendezvous_file(tmp_path)))
+    got = spawn_ranks(groups_from_rank0, 3, (3, str(store_dir), f"tcp://127.0.0.1:{free_port()}"))
     want = prompt_groups(FeatureStore(store_dir))
     assert len(want) > 1 and all(g.dtype == np.int64 and np.array_equal(g, want) for g in got)
 
@@ -262,7 +261,7 @@ def test_ddp_gradients_equal_single_process(store_dir, tmp_path, arch):
     if arch == "dflash2":
         cfg = dflash2_config(store_dir, tmp_path / "run")
     single = global_batch_grads(0, 1, cfg, None)
-    ranks = spawn_ranks(global_batch_grads, 2, (2, cfg, rendezvous_file(tmp_path)))
+    ranks = spawn_ranks(global_batch_grads, 2, (2, cfg, f"tcp://127.0.0.1:{free_port()}"))
     assert set(single) == set(ranks[0]) and len(single) > 5
     for name, g in single.items():
         np.testing.assert_allclose(ranks[0][name], g, rtol=1e-4, atol=1e-6, err_msg=name)
