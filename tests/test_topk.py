@@ -20,6 +20,7 @@ from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import run_extraction
 from dflash_pipeline.shared.model.blocks import IGNORE_INDEX
 from dflash_pipeline.shared.model.loss import dflash_loss, loss_weights, topk_kl
+from dflash_pipeline.shared.store.errors import StoreMismatch
 from dflash_pipeline.shared.store.manifest import Manifest, ManifestError, mark_complete, new_manifest
 from dflash_pipeline.shared.store.progress import finished_shards
 from dflash_pipeline.shared.store.reader import FeatureStore, stores_equal
@@ -83,6 +84,24 @@ def test_store_round_trip_keeps_the_topk_bit_exact_and_says_so_in_its_version(tm
     assert group["target_topk_ids"].shape == (store.num_tokens, K)
     write_topk_store(tmp_path / "again", 3, 12)
     assert stores_equal(tmp_path, tmp_path / "again")
+
+
+def test_an_abandoned_topk_writer_resumes_to_the_same_store(tmp_path):
+    """Rows of the partly written shard (top-K included) are read back on reopening; a writer asking
+    for another K is refused."""
+    write_topk_store(tmp_path / "straight", 5, 20)
+    first = StoreWriter(tmp_path / "resumed", 0, hidden_dtype="bfloat16", topk=K, **LAYOUT)
+    for b in range(13):
+        first.append_batch(topk_batch(5, b))
+    first.flush_shards()
+    assert (
+        0 < first.committed.batches < 13 and first.committed.tokens % LAYOUT["shard_tokens"]
+    )  # a partly written shard to read back
+    del first  # abandoned without finalize, as after a crash
+    with pytest.raises(StoreMismatch, match="other settings \\(topk\\)"):
+        StoreWriter(tmp_path / "resumed", 0, hidden_dtype="bfloat16", topk=K + 1, **LAYOUT)
+    write_topk_store(tmp_path / "resumed", 5, 20)
+    assert stores_equal(tmp_path / "straight", tmp_path / "resumed")
 
 
 def test_manifests_without_topk_are_unchanged_and_versions_are_checked():
