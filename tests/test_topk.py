@@ -243,6 +243,22 @@ def test_batches_carry_the_topk_that_predicts_each_label(stores):
     assert checked > 100
 
 
+def test_topk_is_part_of_the_store_identity(stores, tiny_target_dir, small_corpus):
+    from dflash_pipeline.extract.run import ExtractError
+
+    for root, topk in ((stores[0], K), (stores[K], K + 1), (stores[K], 0)):
+        cfg = ExtractConfig(
+            target=str(tiny_target_dir),
+            data=(str(small_corpus),),
+            out=str(root),
+            device="cpu",
+            store_topk=topk,
+            **SMALL,
+        )
+        with pytest.raises(ExtractError, match="other settings .*store_topk: "):
+            run_extraction(cfg)
+
+
 def test_kl_needs_a_store_with_topk(stores, tmp_path):
     for loss in ("kl", "mix"):
         with pytest.raises(StoreUnusable, match=f"--loss {loss} needs the target's top-k distribution") as info:
@@ -258,11 +274,11 @@ def test_training_with_each_loss(stores, tmp_path):
         "ce": (stores[K], {}),
         "mix0": (stores[K], dict(loss="mix", kl_weight=0.0)),
         "kl": (stores[K], dict(loss="kl")),
-        "mix": (stores[K], dict(loss="mix", kl_weight=0.5)),
+        "mix": (stores[K], dict(loss="mix", kl_weight=0.5, loader_workers=1)),  # through the slot ring
     }
     got = {}
     for name, (root, kw) in runs.items():
-        run_training(replace(base_config(root, tmp_path / name, **kw), max_steps=12, lr=3e-3, eval_every=12))
+        run_training(replace(base_config(root, tmp_path / name), max_steps=12, lr=3e-3, eval_every=12, **kw))
         got[name] = losses(tmp_path / name)
     assert got["ce"] == got["plain"] == got["mix0"]
     assert got["kl"][12] < got["kl"][1] and got["kl"] != got["ce"]
