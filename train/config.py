@@ -84,14 +84,6 @@ class TrainConfig:
     selector_loss_weight: float = option(
         1.0, range=(0, None), help="DFlash-2: weight of the selector's loss next to the draft CE."
     )
-    loss: str = option(
-        "ce",
-        choices=("ce", "kl", "mix"),
-        help="Draft loss: ce on the stored tokens; kl from the target's stored top-K distribution "
-        "(renormalised; needs a store made with dflash-extract --store-topk); mix: (1-w)*ce + w*kl, "
-        "w = --kl-weight. Same position weights; DFlash-2: the draft term only.",
-    )
-    kl_weight: float = option(0.5, range=(0, 1), help="--loss mix: the weight w of the KL term.")
     # attention of the drafter's layers (either arch), saved in config.json where the reference reads it
     sliding_window: int | None = option(
         None, range=(1, None), help="Attention window of the sliding_attention layers [default: no window]."
@@ -103,6 +95,15 @@ class TrainConfig:
         "[default: every layer sliding_attention with --sliding-window, else full_attention].",
     )
     is_causal: bool = option(False, help="Causal attention inside the draft block, in every layer.")
+    # the draft loss (appended last, as above)
+    loss: str = option(
+        "ce",
+        choices=("ce", "kl", "mix"),
+        help="Draft loss: ce on the stored tokens; kl from the target's stored top-K distribution "
+        "(renormalised; needs a store made with dflash-extract --store-topk); mix: (1-w)*ce + w*kl, "
+        "w = --kl-weight. Same position weights; DFlash-2: the draft term only.",
+    )
+    kl_weight: float = option(0.5, range=(0, 1), help="--loss mix: the weight w of the KL term.")
 
     def __post_init__(self) -> None:
         check_options(self)
