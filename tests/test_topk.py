@@ -259,6 +259,20 @@ def test_topk_is_part_of_the_store_identity(stores, tiny_target_dir, small_corpu
             run_extraction(cfg)
 
 
+def test_loss_options_are_checked():
+    from dflash_pipeline.shared.runtime.config import ConfigError
+    from dflash_pipeline.train.config import TrainConfig
+
+    base = TrainConfig(store="s", out="o")
+    assert (base.loss, base.kl_weight) == ("ce", 0.5)
+    for bad, option in [(dict(loss="kld"), "--loss"), (dict(kl_weight=1.5), "--kl-weight")]:
+        with pytest.raises(ConfigError, match=option):
+            TrainConfig(store="s", out="o", **bad)
+    assert ExtractConfig(target="t", data=("d",), out="o").store_topk == 0
+    with pytest.raises(ConfigError, match="--store-topk"):
+        ExtractConfig(target="t", data=("d",), out="o", store_topk=-1)
+
+
 def test_kl_needs_a_store_with_topk(stores, tmp_path):
     for loss in ("kl", "mix"):
         with pytest.raises(StoreUnusable, match=f"--loss {loss} needs the target's top-k distribution") as info:
