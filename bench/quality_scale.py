@@ -14,6 +14,10 @@ done), so the stages can be spread over consecutive calls on one machine:
     python -m bench.quality_scale evaluate --out /tmp/qs --target T --prompts carry/ --temperature 0 --temperature 1
     python -m bench.quality_scale report --out /tmp/qs --json quality_scale.json
 
+Issue 19's ce vs kl on one store: `regenerate --store-topk 16` (the target's top-16 beside the states),
+then `train --name ce --loss ce` and `train --name kl --loss kl` (or `--loss mix --kl-weight W`), and
+`evaluate --temperature 0 --temperature 1`: both drafters against the same held-out prompts.
+
 The learning curve is the offline held-out tau the trainer logs every `--eval-every` steps (against
 training tokens); the online tau and speedup come from `dflash-eval` on the held-out prompts.
 """
@@ -162,6 +166,7 @@ def regenerate(args) -> None:
         *where(args),
     ]
     cmd += ["--limit", str(args.limit)] if args.limit else []
+    cmd += ["--store-topk", str(args.store_topk)] if args.store_topk else []
     timed(args.out / "seconds.json", "regenerate+extract", lambda: run_step("extract", cmd))
 
 
@@ -202,6 +207,7 @@ def train(args) -> None:
         str(mask_token_id(args.out / "store" / "target" / "tokenizer")),
         "--resume",
     ]
+    cmd += ["--loss", args.loss] + (["--kl-weight", str(args.kl_weight)] if args.loss == "mix" else [])
     timed(args.out / "seconds.json", f"train {args.name}", lambda: run_step(f"train {args.name}", cmd))
 
 
@@ -258,6 +264,7 @@ def report(args) -> dict:
             "complete": manifest.get("complete", False),
             "counts": manifest.get("data", {}).get("counts"),
             "layer_ids": manifest.get("target", {}).get("layer_ids"),
+            "store_topk": manifest.get("store_topk", 0),
         },
         "seconds": read(args.out / "seconds.json"),
         "runs": {},
@@ -270,6 +277,8 @@ def report(args) -> dict:
         result["runs"][metrics.parent.name] = {
             "arch": config.get("arch"),
             "num_layers": config.get("num_layers"),
+            "loss": config.get("loss", "ce"),
+            "kl_weight": config.get("kl_weight") if config.get("loss") == "mix" else None,
             "steps": max((r["step"] for r in records if "step" in r), default=0),
             "final_loss": next((r["loss"] for r in reversed(records) if r.get("type") != "eval" and "loss" in r), None),
             "curve": [
@@ -324,6 +333,9 @@ def main() -> None:
             s.add_argument("--max-new-tokens", type=int, default=512 if name == "regenerate" else 128)
     sub.choices["regenerate"].add_argument("--max-length", type=int, default=2048)
     sub.choices["regenerate"].add_argument("--limit", type=int, default=None, help="conversations [default: all]")
+    sub.choices["regenerate"].add_argument(
+        "--store-topk", type=int, default=0, help="also store the target's top-K distribution (for --loss kl/mix)"
+    )
     t = sub.choices["train"]
     t.add_argument("--name", required=True)
     t.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash")
@@ -332,6 +344,8 @@ def main() -> None:
     t.add_argument("--eval-every", type=int, default=250)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--eval-samples", type=int, default=64, help="held-out store samples of the offline tau")
+    t.add_argument("--loss", choices=["ce", "kl", "mix"], default="ce", help="dflash-train --loss (kl: a top-K store)")
+    t.add_argument("--kl-weight", type=float, default=0.5, help="--loss mix: the KL term's weight")
     e = sub.choices["evaluate"]
     e.add_argument("--temperature", type=float, action="append", required=True)
     e.add_argument("--limit", type=int, default=32)

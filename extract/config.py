@@ -50,6 +50,12 @@ class ExtractConfig:
         choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
         help="dtype of the stored states; float8_e4m3fn halves bf16's bytes (one scale per token and layer).",
     )
+    store_topk: int = option(
+        0,
+        range=(0, None),
+        help="Also store the target's top-K next-token ids and log-probs at every token (runs the whole "
+        "target and its LM head; K=16 adds 128 B/token), for dflash-train --loss kl/mix [default: 0, none].",
+    )
     compile: bool | None = option(
         None,
         flag="--compile/--no-compile",

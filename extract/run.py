@@ -159,6 +159,8 @@ def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]
     layer_ids = parse_layer_ids(cfg.layers, tc.num_hidden_layers, default_target_layer_ids(tc.num_hidden_layers))
     if cfg.regenerate is not None:
         check_supported_config(tc, cfg.max_length + cfg.regenerate["max_new_tokens"])
+    if cfg.store_topk > tc.vocab_size:
+        raise ExtractError(f"--store-topk {cfg.store_topk} exceeds the target's vocabulary ({tc.vocab_size} tokens)")
     tokenizer = load_tokenizer(cfg.target)
     fresh = mf.new_manifest(
         target={
@@ -180,6 +182,7 @@ def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]
         },
         settings={"plan": plan_identity(cfg, layer_ids, world_size), "regenerate": cfg.regenerate},
         world_size=world_size,
+        store_topk=cfg.store_topk,
     )
     if StoreLayout(root).manifest.exists() and cfg.overwrite:
         shutil.rmtree(root)

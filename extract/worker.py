@@ -33,6 +33,7 @@ from dflash_pipeline.shared.target.loading import (
     compile_decoder_layers,
     drop_unused_modules,
     forward_hidden_states,
+    load_full_target,
     load_truncated_target,
 )
 
@@ -152,12 +153,40 @@ def pad_batch(samples: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor
     return ids, torch.cat(flat)
 
 
+def target_topk(model, rows: torch.Tensor, k: int, chunk_rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-`k` next-token ids (int32) and log-probs (float32), [R, k] each, from its
+    final-normed last states `rows` [R, H]: LM head (and the config's final logit soft-cap, if any),
+    log-softmax in float32 over the whole vocabulary, `torch.topk` (descending). `chunk_rows` rows
+    at a time, so at most [chunk_rows, vocab] float32 logits exist at once."""
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    ids, logprobs = [], []
+    for part in rows.split(chunk_rows):
+        logits = model.lm_head(part).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        ids.append(top.indices.to(torch.int32))
+        logprobs.append(top.values)
+    return torch.cat(ids), torch.cat(logprobs)
+
+
 class BatchRunner:
     """Runs batches through the truncated target and hands the states to the store writer; an fp8
-    store's states are quantized on the device, so only codes and scales cross to the host."""
+    store's states are quantized on the device, so only codes and scales cross to the host. With
+    `topk` > 0 the model is the whole target (final norm and LM head kept) and the target's top-K
+    next-token distribution of every token goes with its states (`target_topk`)."""
 
-    def __init__(self, model, layer_ids: list[int], device: torch.device, store_dtype: torch.dtype, pad_id: int):
+    def __init__(
+        self,
+        model,
+        layer_ids: list[int],
+        device: torch.device,
+        store_dtype: torch.dtype,
+        pad_id: int,
+        topk: int = 0,
+    ):
         self.model = model
+        self.topk = topk
         self.layers = len(layer_ids)
         self.capture = HiddenStateCapture(model, layer_ids)
         self.device = device
@@ -175,9 +204,15 @@ class BatchRunner:
             ids, flat = ids.pin_memory(), flat.pin_memory()
         ids = ids.to(self.device, non_blocking=True)
         flat = flat.to(self.device, non_blocking=True)
-        states = forward_hidden_states(self.model, self.capture, ids)
+        if self.topk:
+            last = self.model.model(input_ids=ids, use_cache=False).last_hidden_state
+            states = self.capture.take()
+        else:
+            states = forward_hidden_states(self.model, self.capture, ids)
         rows = torch.cat(states, dim=-1).flatten(0, 1).index_select(0, flat)
         parts = quantize(rows, self.layers) if self.store_dtype == FP8 else (rows.to(self.store_dtype),)
+        if self.topk:
+            parts = (*parts, *target_topk(self.model, last.flatten(0, 1).index_select(0, flat), self.topk))
         if not self.pin:  # on CPU `parts` are already new host tensors
             return samples, parts, None
         hosts = [torch.empty(part.shape, dtype=part.dtype, pin_memory=True) for part in parts]
@@ -192,7 +227,8 @@ class BatchRunner:
 
     @staticmethod
     def collect(pending) -> list[tuple]:
-        """Wait for a launched batch's copy; its (index, ids, mask, states[, scales]) rows for the writer."""
+        """Wait for a launched batch's copy; its (index, ids, mask, states[, scales][, topk ids, topk
+        log-probs]) rows for the writer."""
         samples, hosts, event = pending
         if event is not None:
             event.synchronize()
@@ -265,6 +301,7 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
                 ("shard_tokens", cfg.shard_tokens),
                 ("write_streams", cfg.write_streams),
                 ("scale_groups", len(layer_ids) if cfg.store_dtype in SCALED_DTYPES else None),
+                ("topk", cfg.store_topk or None),
             )
             if v is not None
         },
@@ -273,17 +310,24 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
     summary.resumed_batches = done
     todo = plan.batches[done:]
     if todo or needs_export:
-        if rank == 0:
-            progress_note(f"extract rank 0: loading the target's layers 0..{max(layer_ids)} on {device}")
-        model = load_truncated_target(cfg.target, layer_ids, device=device, dtype=compute_dtype(cfg, device))
+        dtype = compute_dtype(cfg, device)
+        if cfg.store_topk:  # the top-K distribution needs every layer, the final norm and the LM head
+            if rank == 0:
+                progress_note(f"extract rank 0: loading the whole target on {device} (--store-topk)")
+            model = load_full_target(cfg.target, device=device, dtype=dtype)
+        else:
+            if rank == 0:
+                progress_note(f"extract rank 0: loading the target's layers 0..{max(layer_ids)} on {device}")
+            model = load_truncated_target(cfg.target, layer_ids, device=device, dtype=dtype)
         if needs_export:
             export_target_assets(model, tokenizer, target_config, root)
-        drop_unused_modules(model)
+        if not cfg.store_topk:
+            drop_unused_modules(model)
         if cfg.compiled:
             compile_decoder_layers(model)
     if todo:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        runner = BatchRunner(model, layer_ids, device, getattr(torch, cfg.store_dtype), pad_id)
+        runner = BatchRunner(model, layer_ids, device, getattr(torch, cfg.store_dtype), pad_id, cfg.store_topk)
         total = sum(lengths[i] for b in todo for i in b)
         bar = progress_bar(total=total, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0)
         try:

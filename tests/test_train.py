@@ -566,7 +566,7 @@ def test_dflash2_options_are_checked():
         256,
         16,
     )
-    assert base.selector_loss_weight == 1.0 and list(base.to_dict())[-9:] == [
+    assert base.selector_loss_weight == 1.0 and list(base.to_dict())[-11:] == [
         "arch",
         "conv_kernel_size",
         "conv_group_size",
@@ -576,6 +576,8 @@ def test_dflash2_options_are_checked():
         "sliding_window",
         "layer_types",
         "is_causal",
+        "loss",  # the draft loss (issue 19), appended after
+        "kl_weight",
     ]
     for bad, option in [
         (dict(arch="dflash3"), "--arch"),

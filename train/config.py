@@ -95,6 +95,15 @@ class TrainConfig:
         "[default: every layer sliding_attention with --sliding-window, else full_attention].",
     )
     is_causal: bool = option(False, help="Causal attention inside the draft block, in every layer.")
+    # the draft loss (appended last, as above)
+    loss: str = option(
+        "ce",
+        choices=("ce", "kl", "mix"),
+        help="Draft loss: ce on the stored tokens; kl from the target's stored top-K distribution "
+        "(renormalised; needs a store made with dflash-extract --store-topk); mix: (1-w)*ce + w*kl, "
+        "w = --kl-weight. Same position weights; DFlash-2: the draft term only.",
+    )
+    kl_weight: float = option(0.5, range=(0, 1), help="--loss mix: the weight w of the KL term.")
 
     def __post_init__(self) -> None:
         check_options(self)

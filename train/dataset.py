@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from dflash_pipeline.shared.model.blocks import build_blocks, sample_anchors
+from dflash_pipeline.shared.model.blocks import IGNORE_INDEX, build_blocks, sample_anchors
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.packing import plan_packs, rank_slice
 
@@ -33,13 +33,16 @@ class PackSpec:
     block_size: int
     mask_token_id: int
     max_anchors_per_sample: int
+    # K of the target's top-K distribution each block token carries (`target_topk_ids` /
+    # `target_topk_logprobs`, for --loss kl/mix); 0: none
+    topk: int = 0
 
     @classmethod
     def for_drafter(
-        cls, config: DFlashConfig, pack_tokens: int, num_blocks: int, max_anchors_per_sample: int
+        cls, config: DFlashConfig, pack_tokens: int, num_blocks: int, max_anchors_per_sample: int, topk: int = 0
     ) -> PackSpec:
         """Block size and mask token taken from the drafter's config, their one source."""
-        return cls(pack_tokens, num_blocks, config.block_size, config.mask_token_id, max_anchors_per_sample)
+        return cls(pack_tokens, num_blocks, config.block_size, config.mask_token_id, max_anchors_per_sample, topk)
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,9 +129,19 @@ def batch_layout(
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every tensor of a batch of `packs` packs: fixed by the spec, so a feed can
     allocate its slots before any batch exists. An fp8 store's batches carry its codes as stored and
-    their scales (`context_scales`, `scale_groups` per token), dequantized on the training device."""
-    S, N, B = spec.pack_tokens, spec.num_blocks, spec.block_size
+    their scales (`context_scales`, `scale_groups` per token), dequantized on the training device. With
+    `spec.topk` K each block token carries the target's stored top-K distribution that predicts its
+    label (`target_topk_ids` int32, `target_topk_logprobs` float32, [packs, N*B, K]; zero where unlabeled)."""
+    S, N, B, K = spec.pack_tokens, spec.num_blocks, spec.block_size, spec.topk
     scales = {"context_scales": ((packs, S, scale_groups), torch.float32)} if scale_groups else {}
+    topk = (
+        {
+            "target_topk_ids": ((packs, N * B, K), torch.int32),
+            "target_topk_logprobs": ((packs, N * B, K), torch.float32),
+        }
+        if K
+        else {}
+    )
     return {
         "context_hidden": ((packs, S, hidden_width), hidden_dtype),
         **scales,
@@ -140,6 +153,7 @@ def batch_layout(
         "anchor_pos": ((packs, N), torch.long),
         "block_doc": ((packs, N), torch.long),
         "block_valid": ((packs, N), torch.bool),
+        **topk,
     }
 
 
@@ -192,6 +206,9 @@ def build_pack(
     mask = torch.zeros(S, dtype=torch.bool)
     doc = torch.full((S,), -1, dtype=torch.long)
     pos = torch.zeros(S, dtype=torch.long)
+    if spec.topk:
+        topk_ids = torch.zeros((S, spec.topk), dtype=torch.int32)
+        topk_logprobs = torch.zeros((S, spec.topk), dtype=torch.float32)
     anchors = []
     start = 0
     for d, sid in enumerate(sample_ids):
@@ -203,6 +220,8 @@ def build_pack(
         ids[sl], mask[sl], _ = store.read_tokens(shard, first, first + n, hidden_out=hidden[sl])
         if scales is not None:
             store.read_scales(shard, first, first + n, out=scales[sl])
+        if spec.topk:
+            store.read_topk(shard, first, first + n, ids_out=topk_ids[sl], logprobs_out=topk_logprobs[sl])
         doc[sl] = d
         pos[sl] = torch.arange(n)
         gen = torch.Generator().manual_seed(hash_seed(seed, epoch, sid))
@@ -217,7 +236,24 @@ def build_pack(
         keep = torch.randperm(len(anchors_all), generator=gen)[: spec.num_blocks]
         anchors_all = anchors_all[keep.sort().values]
     blocks = build_blocks(ids, doc, pos, mask, anchors_all, spec.num_blocks, spec.block_size, spec.mask_token_id)
+    if spec.topk:
+        blocks.update(block_topk(blocks, topk_ids, topk_logprobs, spec.block_size))
     return {"context_doc": doc, "context_positions": pos, **blocks}
+
+
+def block_topk(
+    blocks: dict[str, torch.Tensor], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, block_size: int
+) -> dict[str, torch.Tensor]:
+    """The stored top-K distribution aligned with the block labels: block token k of anchor a is
+    labeled with the token at a+k, which the target predicted at a+k-1, so it gets row a+k-1 of the
+    context's [S, K] top-K (the same doc as the label, since a <= a+k-1 < a+k); zero where unlabeled."""
+    labeled = blocks["labels"] != IGNORE_INDEX  # [N*B]
+    k = torch.arange(block_size).repeat(len(blocks["anchor_pos"]))
+    source = (blocks["anchor_pos"].repeat_interleave(block_size) + k - 1).clamp(0, len(topk_ids) - 1)
+    ids, logprobs = topk_ids[source], topk_logprobs[source]
+    ids[~labeled] = 0
+    logprobs[~labeled] = 0
+    return {"target_topk_ids": ids, "target_topk_logprobs": logprobs}
 
 
 def hash_seed(seed: int, epoch: int, sample_id: int) -> int:

@@ -47,7 +47,7 @@ from dflash_pipeline.train.setup import (
     store_identity,
     validate_store,
 )
-from dflash_pipeline.train.step import block_acceptance, loss_term_sums, pack_loss, to_device
+from dflash_pipeline.train.step import block_acceptance, kl_share, loss_term_sums, pack_loss, to_device
 
 # Held-out packs and their anchors are drawn with this "epoch", apart from every training epoch.
 EVAL_EPOCH = 2**31 - 1
@@ -193,7 +193,8 @@ class Trainer:
         store = FeatureStore(cfg.store)
         validate_store(store, cfg)
         model, head = build_model(cfg, store, device)
-        spec = PackSpec.for_drafter(model.config, cfg.pack_tokens, cfg.num_blocks, cfg.max_anchors_per_sample)
+        topk = store.store_topk if cfg.loss != "ce" else 0  # carried only when the loss reads it
+        spec = PackSpec.for_drafter(model.config, cfg.pack_tokens, cfg.num_blocks, cfg.max_anchors_per_sample, topk)
         gamma = cfg.gamma if cfg.gamma is not None else default_gamma(spec.block_size)
 
         lengths = np.asarray(store.lengths)
@@ -243,6 +244,11 @@ class Trainer:
             scheduler,
             state,
         )
+
+    @property
+    def kl_weight(self) -> float:
+        """The KL term's share of the draft loss (`--loss`, `--kl-weight`)."""
+        return kl_share(self.cfg.loss, self.cfg.kl_weight)
 
     @property
     def out(self) -> Path:
@@ -327,7 +333,9 @@ class Trainer:
         """One optimizer step on this rank's share of the global batch; what it did over all ranks."""
         self.model.train()
         with self.autocast():
-            loss_sum, weight, stats = pack_loss(ddp, self.head, batch, self.gamma, self.cfg.selector_loss_weight)
+            loss_sum, weight, stats = pack_loss(
+                ddp, self.head, batch, self.gamma, self.cfg.selector_loss_weight, self.kl_weight
+            )
         (global_weight,) = all_sum([float(weight)], self.device)
         loss = loss_sum * (self.world / max(global_weight, 1e-12))
         self.optimizer.zero_grad(set_to_none=True)
@@ -380,7 +388,7 @@ class Trainer:
             batch = to_device(build_batch(self.store, [pack], self.spec, self.cfg.seed, EVAL_EPOCH), self.device)
             with self.autocast():
                 _, pack_weight, stats = pack_loss(
-                    self.model, self.head, batch, self.gamma, self.cfg.selector_loss_weight
+                    self.model, self.head, batch, self.gamma, self.cfg.selector_loss_weight, self.kl_weight
                 )
             accepted = block_acceptance(batch, stats["pred"], self.spec.block_size)
             total += float(accepted.sum())

@@ -49,6 +49,11 @@ def validate_store(store: FeatureStore, cfg) -> None:
             f"{store.root}: block size {cfg.block_size} is larger than every sample (longest has {longest} tokens); "
             "lower --block-size"
         )
+    if getattr(cfg, "loss", "ce") != "ce" and not store.store_topk:
+        raise StoreUnusable(
+            f"{store.root}: --loss {cfg.loss} needs the target's top-k distribution, which this store does not "
+            "hold; extract it with dflash-extract --store-topk K, or train with --loss ce"
+        )
 
 
 def resolve_mask_token(store: FeatureStore, given: int | None) -> int:

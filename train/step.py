@@ -61,9 +61,28 @@ def context_states(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.
     return batch["context_hidden"].to(dtype)
 
 
-def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: float, selector_loss_weight: float = 1.0):
+# the share of the KL term in the draft loss for each --loss (mix: --kl-weight)
+LOSSES = ("ce", "kl", "mix")
+
+
+def kl_share(loss: str, kl_weight: float) -> float:
+    """The weight of the KL term in `(1 - a) * ce + a * kl` for `dflash-train --loss`."""
+    return {"ce": 0.0, "kl": 1.0, "mix": kl_weight}[loss]
+
+
+def pack_loss(
+    model,
+    head: TargetHead,
+    batch: dict[str, torch.Tensor],
+    gamma: float,
+    selector_loss_weight: float = 1.0,
+    kl_weight: float = 0.0,
+):
     """Weighted CE of a batch: (sum of w*ce, sum of w, per-position stats incl. predictions); for a
     DFlash-2 drafter the CE plus `selector_loss_weight` times its selector's loss (`selector_loss`).
+    `kl_weight` > 0 (`kl_share` of --loss kl/mix; the batch then carries `target_topk_ids` /
+    `target_topk_logprobs`): the draft CE becomes `(1 - kl_weight) * ce + kl_weight * kl` against the
+    target's stored top-K distribution (for DFlash-2 only its draft term; the selector's stays).
 
     The sum (not the mean) is returned so the caller can normalise by the weight of all ranks.
     `stats["pred"]` is the LM head's argmax in both cases (not the selector's choice).
@@ -73,6 +92,10 @@ def pack_loss(model, head: TargetHead, batch: dict[str, torch.Tensor], gamma: fl
     hidden = drafter_hidden(model, head, batch)
     lm_head = head.lm_head.to(hidden.dtype)
     common = dict(output_multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
+    if kl_weight > 0:
+        if "target_topk_ids" not in batch:
+            raise ValueError("a kl/mix loss needs batches with the target's top-k (PackSpec.topk)")
+        common.update(target_topk=(batch["target_topk_ids"], batch["target_topk_logprobs"]), kl_weight=kl_weight)
     if cfg.arch == "dflash2":
         # the anchor token opens each block: it is the selector's teacher-forced predecessor at k = 1
         anchor_ids = batch["block_ids"].reshape(-1, cfg.block_size)[:, 0]

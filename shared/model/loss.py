@@ -84,10 +84,58 @@ def _prediction_stats(
     }
 
 
-def _chunk_loss(hidden, labels, weights, lm_head_weight, output_multiplier, softcap):
+def topk_kl(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row, p the target's stored top-K distribution renormalised over its K tokens
+    (softmax of the stored log-probs), q the drafter's softmax over the whole vocabulary:
+    sum_i p_i (log p_i - log q(id_i)). logits [R, V] float32, topk_ids / topk_logprobs [R, K] -> [R]."""
+    log_q = torch.log_softmax(logits, dim=-1).gather(1, topk_ids.long())
+    log_p = torch.log_softmax(topk_logprobs.float(), dim=-1)
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), 0.0).sum(dim=-1)
+
+
+def draft_term(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    topk_ids: torch.Tensor | None = None,
+    topk_logprobs: torch.Tensor | None = None,
+    kl_weight: float = 0.0,
+) -> torch.Tensor:
+    """The per-row loss of the draft tokens: CE on the stored tokens (no top-K given), or
+    `(1 - kl_weight) * ce + kl_weight * topk_kl` (kl_weight 1: the KL alone, no CE computed)."""
+    if topk_ids is None or kl_weight == 0.0:
+        return F.cross_entropy(logits, labels, reduction="none")
+    kl = topk_kl(logits, topk_ids, topk_logprobs)
+    if kl_weight == 1.0:
+        return kl
+    return (1.0 - kl_weight) * F.cross_entropy(logits, labels, reduction="none") + kl_weight * kl
+
+
+def _chunk_loss(
+    hidden,
+    labels,
+    weights,
+    lm_head_weight,
+    output_multiplier,
+    softcap,
+    topk_ids=None,
+    topk_logprobs=None,
+    kl_weight=0.0,
+):
     logits = compute_logits(hidden, lm_head_weight, output_multiplier=output_multiplier, softcap=softcap).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
+    ce = draft_term(logits, labels, topk_ids, topk_logprobs, kl_weight)
     return (ce * weights).sum(), logits.argmax(dim=-1)
+
+
+def _target_rows(target_topk, rows: torch.Tensor, labels_shape) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The labeled rows' stored top-K (ids, log-probs), each [b, Q, K] aligned with the labels."""
+    if target_topk is None:
+        return None, None
+    ids, logprobs = target_topk
+    if ids.shape[:-1] != tuple(labels_shape) or logprobs.shape != ids.shape:
+        raise ValueError(f"target top-k {tuple(ids.shape)} / {tuple(logprobs.shape)} must be [*labels, K]")
+    K = ids.shape[-1]
+    return ids.reshape(-1, K).index_select(0, rows), logprobs.reshape(-1, K).index_select(0, rows)
 
 
 def dflash_loss(
@@ -100,8 +148,15 @@ def dflash_loss(
     output_multiplier: float = 1.0,
     softcap: float | None = None,
     chunk_tokens: int = 2048,
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kl_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Position-weighted CE `sum(ce * w_k) / sum(w_k)` over labeled block positions.
+
+    With `target_topk` (ids, log-probs), each [b, Q, K] aligned with `labels` (row of block position k
+    of anchor a: the target's distribution at context position a+k-1, the one that predicts the label
+    a+k), `ce` is replaced by `draft_term`: `(1 - kl_weight) * ce + kl_weight * KL(target top-K
+    renormalised || drafter)`, same position weights (`--loss kl`: kl_weight 1, `--loss mix`: between).
 
     Only labeled rows get logits, `chunk_tokens` rows at a time; each chunk runs under activation
     checkpointing, so its fp32 [chunk, vocab] logits are freed after forward and recomputed in
@@ -117,6 +172,7 @@ def dflash_loss(
     flat_labels, rows, row_position, row_weights = _labeled_rows(hidden, labels, block_size, gamma)
     row_labels = flat_labels[rows]
     row_hidden = hidden.reshape(-1, H).index_select(0, rows)
+    row_ids, row_logprobs = _target_rows(target_topk, rows.to(hidden.device), labels.shape)
     total = hidden.sum() * 0.0  # keeps the graph (and DDP) connected when nothing is labeled
     preds = []
     for start in range(0, len(rows), chunk_tokens):
@@ -129,6 +185,7 @@ def dflash_loss(
             lm_head_weight,
             output_multiplier,
             softcap,
+            *(() if row_ids is None else (row_ids[part], row_logprobs[part], kl_weight)),
             use_reentrant=False,
         )
         total = total + ce_sum
@@ -192,9 +249,12 @@ def _chunk_selector_loss(
     output_multiplier,
     softcap,
     top_k,
+    topk_ids=None,
+    topk_logprobs=None,
+    kl_weight=0.0,
 ):
     logits = compute_logits(hidden, lm_head_weight, output_multiplier=output_multiplier, softcap=softcap).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
+    ce = draft_term(logits, labels, topk_ids, topk_logprobs, kl_weight)
     top = logits.topk(top_k, dim=-1).indices  # sorted: the last one scores lowest
     selector = SelectorWeights(predecessor_codebook, successor_codebook, hidden_projection)
     with torch.no_grad():  # the selector's own choice, blind to the label: what it would draft
@@ -223,6 +283,8 @@ def selector_loss(
     output_multiplier: float = 1.0,
     softcap: float | None = None,
     chunk_tokens: int = 2048,
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kl_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DFlash-2 objective `(sum(w_k * ce) + selector_loss_weight * sum(w_k * sel)) / sum(w_k)`.
 
@@ -239,7 +301,9 @@ def selector_loss(
     `selector` (the two terms, each over `weight_sum`, detached: loss = ce + weight * selector);
     `pred` is the selector's own greedy choice among the top-`top_k` (no label injected) after the
     teacher-forced predecessor, which along an accepted run is the token it drafts at inference, so
-    the acceptance counted from it is the selector's.
+    the acceptance counted from it is the selector's. `target_topk` / `kl_weight` replace the draft
+    CE term only, as in `dflash_loss` (`draft_term`); the selector's term always learns to pick the
+    stored token among the candidates (stats `ce` is then that draft term).
     """
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight must be frozen (requires_grad=False)")
@@ -255,6 +319,7 @@ def selector_loss(
     known = previous != IGNORE_INDEX
     predecessors = torch.where(known, previous, 0)
     row_hidden = hidden.reshape(-1, H).index_select(0, rows)
+    row_ids, row_logprobs = _target_rows(target_topk, rows.to(hidden.device), labels.shape)
     params = (selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection)
     # zero terms keep the graph (and DDP) connected to every input when nothing is labeled
     ce_total = hidden.sum() * 0.0
@@ -274,6 +339,7 @@ def selector_loss(
             output_multiplier,
             softcap,
             top_k,
+            *(() if row_ids is None else (row_ids[part], row_logprobs[part], kl_weight)),
             use_reentrant=False,
         )
         ce_total = ce_total + ce_sum

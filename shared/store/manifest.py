@@ -27,9 +27,8 @@ import torch
 from dflash_pipeline.shared.runtime.durable import write_bytes_durably
 from dflash_pipeline.shared.store.errors import ManifestError, StoreError, StoreIncomplete, StoreMismatch
 from dflash_pipeline.shared.store.layout import (
-    FORMAT_VERSION,
+    FORMAT_VERSIONS,
     SCALED_DTYPES,
-    SCALED_FORMAT_VERSION,
     StoreLayout,
     format_version,
 )
@@ -88,7 +87,10 @@ class Manifest:
     chunk_tokens: int | None = None
     shard_tokens: int | None = None
     target_dir: str = StoreLayout.TARGET
-    format_version: int | None = None  # None: the version of `hidden_dtype` (layout.format_version)
+    format_version: int | None = None  # None: the version of `hidden_dtype` and `store_topk` (layout.format_version)
+    # K of the target's top-K next-token distribution stored at every token (--store-topk); 0: none.
+    # Serialized only when set, so stores without it keep their manifest bytes.
+    store_topk: int = 0
     # Where the manifest was loaded from; used in error messages, never serialized.
     root: str | None = field(default=None, compare=False, repr=False)
 
@@ -96,10 +98,13 @@ class Manifest:
         where = self.root or "manifest"
         if self.hidden_dtype not in STORAGE_DTYPES:
             raise ManifestError(f"{where}: hidden_dtype {self.hidden_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
-        version = format_version(self.hidden_dtype)
+        if not isinstance(self.store_topk, int) or self.store_topk < 0:
+            raise ManifestError(f"{where}: store_topk {self.store_topk!r} is not a count >= 0")
+        version = format_version(self.hidden_dtype, self.store_topk)
         if self.format_version not in (None, version):
             raise ManifestError(
                 f"{where}: format_version {self.format_version} does not hold hidden_dtype {self.hidden_dtype!r}"
+                f" with store_topk {self.store_topk}"
             )
         self.format_version = version
         missing = [k for k in TARGET_KEYS if k not in self.target]
@@ -142,6 +147,8 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("root")
+        if not self.store_topk:
+            out.pop("store_topk")
         out["storage_dtype"] = self.storage_dtype
         return out
 
@@ -149,10 +156,10 @@ class Manifest:
     def from_dict(cls, d: dict[str, Any], *, root: str | None = None) -> Manifest:
         where = root or "manifest"
         version = d.get("format_version")
-        if version not in (FORMAT_VERSION, SCALED_FORMAT_VERSION):
+        if version not in FORMAT_VERSIONS:
             raise ManifestError(
                 f"{where}: format_version {version!r} is not supported "
-                f"(this code reads {FORMAT_VERSION} and {SCALED_FORMAT_VERSION})"
+                f"(this code reads {', '.join(map(str, FORMAT_VERSIONS))})"
             )
         try:
             manifest = cls(**{k: v for k, v in d.items() if k != "storage_dtype"}, root=root)
@@ -173,9 +180,11 @@ def new_manifest(
     tokenizer_fingerprint: str = "",
     data: dict[str, Any] | None = None,
     settings: dict[str, Any] | None = None,
+    store_topk: int = 0,
 ) -> Manifest:
     """The manifest an extraction starts with: incomplete, no shards, created now."""
     return Manifest(
+        store_topk=store_topk,
         target=dict(target),
         hidden_dtype=hidden_dtype,
         world_size=world_size,

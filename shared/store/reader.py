@@ -12,7 +12,7 @@ import torch
 import zarr
 
 from dflash_pipeline.shared.store.errors import StoreError
-from dflash_pipeline.shared.store.layout import SCALES, StoreLayout, token_arrays
+from dflash_pipeline.shared.store.layout import SCALES, TOPK_IDS, TOPK_LOGPROBS, StoreLayout, token_arrays
 from dflash_pipeline.shared.store.manifest import (
     STORAGE_DTYPES,
     TORCH_DTYPES,
@@ -31,6 +31,9 @@ class Sample:
     hidden_states: torch.Tensor  # logical dtype [S, W] (float8 codes in an fp8 store)
     sample_index: int
     hidden_scales: torch.Tensor | None = None  # float32 [S, layers] of an fp8 store (shared.store.fp8)
+    # a top-K store's target distribution at each token (row t predicts token t+1): int32 / float32 [S, K]
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
 
 
 class FeatureStore:
@@ -63,17 +66,20 @@ class FeatureStore:
             offsets = group["sample_offsets"][: entry.samples + 1]
             hidden = group["hidden_states"]
             groups = group[SCALES].shape[1] if SCALES in group else 0
+            topk = group[TOPK_IDS].shape[1] if TOPK_IDS in group else 0
             if (
                 offsets[-1] != entry.tokens
                 or hidden.shape[1] != self.manifest.hidden_width
                 or hidden.attrs.get("logical_dtype") != self.manifest.hidden_dtype
                 or groups != self.manifest.scale_groups
+                or topk != self.manifest.store_topk
             ):
                 raise StoreError(
                     f"{self.root / entry.path}: shard disagrees with the manifest (tokens {offsets[-1]} vs "
                     f"{entry.tokens}, width {hidden.shape[1]} vs {self.manifest.hidden_width}, "
                     f"dtype {hidden.attrs.get('logical_dtype')} vs {self.manifest.hidden_dtype}, "
-                    f"scales per token {groups} vs {self.manifest.scale_groups})"
+                    f"scales per token {groups} vs {self.manifest.scale_groups}, "
+                    f"top-k {topk} vs {self.manifest.store_topk})"
                 )
             self._offsets.append(offsets)
             self._sample_index.append(group["sample_index"][: entry.samples])
@@ -119,8 +125,13 @@ class FeatureStore:
         return self.manifest.scale_groups
 
     @property
+    def store_topk(self) -> int:
+        """K of the target's top-K distribution stored at every token; 0 for stores without it."""
+        return self.manifest.store_topk
+
+    @property
     def _token_arrays(self) -> tuple[str, ...]:
-        return token_arrays(self.manifest.hidden_dtype)
+        return token_arrays(self.manifest.hidden_dtype, self.manifest.store_topk)
 
     @property
     def num_tokens(self) -> int:
@@ -153,8 +164,8 @@ class FeatureStore:
         hidden_out: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ...]:
         """Tokens [start, stop) of one shard as stored: int32 ids, uint8 mask, hidden in the storage
-        dtype (decoded into `hidden_out` when given: C-contiguous [stop-start, W]), and in an fp8
-        store float32 scales [stop-start, layers]."""
+        dtype (decoded into `hidden_out` when given: C-contiguous [stop-start, W]), in an fp8
+        store float32 scales [stop-start, layers], in a top-K store int32 ids and float32 log-probs [stop-start, K]."""
         ids, mask = self.read_ids_and_mask(shard, start, stop)
         readers = self._shard_readers(shard)
         scales = [readers[name].read(start, stop) for name in self._token_arrays[3:]]
@@ -167,6 +178,26 @@ class FeatureStore:
             raise StoreError(f"{self.root}: a {self.manifest.hidden_dtype} store has no scales")
         stored = self._shard_readers(shard)[SCALES].read(start, stop, None if out is None else out.numpy())
         return torch.from_numpy(stored) if out is None else out
+
+    def read_topk(
+        self,
+        shard: int,
+        start: int,
+        stop: int,
+        ids_out: torch.Tensor | None = None,
+        logprobs_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's top-K distribution at tokens [start, stop) of one shard of a top-K store: int32
+        ids and float32 log-probs [stop-start, K] (row t predicts token t+1), into the given contiguous
+        tensors when given."""
+        if not self.store_topk:
+            raise StoreError(f"{self.root}: the store holds no top-k distribution (extracted without --store-topk)")
+        readers = self._shard_readers(shard)
+        got = []
+        for name, out in ((TOPK_IDS, ids_out), (TOPK_LOGPROBS, logprobs_out)):
+            stored = readers[name].read(start, stop, None if out is None else out.numpy())
+            got.append(torch.from_numpy(stored) if out is None else out)
+        return got[0], got[1]
 
     def read_tokens(
         self,
@@ -195,7 +226,16 @@ class FeatureStore:
         shard, start, stop, index = self.sample_span(i)
         ids, mask, hidden = self.read_tokens(shard, start, stop)
         scales = self.read_scales(shard, start, stop) if self.scale_groups else None
-        return Sample(input_ids=ids, loss_mask=mask, hidden_states=hidden, sample_index=index, hidden_scales=scales)
+        topk_ids, topk_logprobs = self.read_topk(shard, start, stop) if self.store_topk else (None, None)
+        return Sample(
+            input_ids=ids,
+            loss_mask=mask,
+            hidden_states=hidden,
+            sample_index=index,
+            hidden_scales=scales,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+        )
 
 
 def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
@@ -216,6 +256,7 @@ def stores_equal(a: FeatureStore | str | Path, b: FeatureStore | str | Path) -> 
     if (
         len(a) != len(b)
         or a.manifest.hidden_dtype != b.manifest.hidden_dtype
+        or a.manifest.store_topk != b.manifest.store_topk
         or not np.array_equal(a.lengths, b.lengths)
         or not np.array_equal(
             np.concatenate([np.zeros(0, np.int64), *a._sample_index]),

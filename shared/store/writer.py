@@ -2,7 +2,8 @@
 
 Layout (docs/FORMAT.md has the bytes): `ROOT/shards/rank-XXXXX.zarr` holds `input_ids` int32 [T],
 `loss_mask` uint8 [T], `hidden_states` [T, W] (bfloat16 stored as its uint16 bit pattern, float8 as
-uint8), for float8 `hidden_scales` float32 [T, layers], `sample_offsets` int64 [N+1] and
+uint8), for float8 `hidden_scales` float32 [T, layers], with --store-topk K `target_topk_ids` int32
+and `target_topk_logprobs` float32 [T, K], `sample_offsets` int64 [N+1] and
 `sample_index` int64 [N]; `ROOT/shards/rank-XXXXX.progress.json`
 is that rank's commit record. Token arrays are chunked along tokens and sharded (Zarr v3 sharding
 codec, crc32c on every chunk and every shard index).
@@ -45,6 +46,8 @@ from dflash_pipeline.shared.store.layout import (
     SAMPLE_ARRAYS,
     SCALED_DTYPES,
     SCALES,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
     StoreLayout,
     format_version,
     token_arrays,
@@ -82,10 +85,12 @@ class _ShardRows:
     then written whole. A full one goes to a write thread untouched while the next fills, so rows are
     copied in exactly once."""
 
-    def __init__(self, width: int, dtype: np.dtype, rows: int, start: int, scale_groups: int) -> None:
+    def __init__(self, width: int, dtype: np.dtype, rows: int, start: int, scale_groups: int, topk: int = 0) -> None:
         self.arrays = [np.empty(rows, np.int32), np.empty(rows, np.uint8), np.empty((rows, width), dtype)]
         if scale_groups:
             self.arrays.append(np.empty((rows, scale_groups), np.float32))
+        if topk:
+            self.arrays += [np.empty((rows, topk), np.int32), np.empty((rows, topk), np.float32)]
         self.start = start  # absolute token index of row 0 (a multiple of the shard size)
         self.n = 0
 
@@ -113,7 +118,8 @@ class StoreWriter:
     point (the caller skips the first `resume()` batches); without one any leftover group is deleted
     and created afresh. `overwrite=True` always starts afresh. A float8 store takes `scale_groups`
     (the stored layers, each with its own scale per token: `shared.store.fp8`). `compression` None
-    is the dtype's default (`codec.default_compression`).
+    is the dtype's default (`codec.default_compression`). `topk` K > 0: every sample also brings the
+    target's top-K next-token ids (int32) and log-probs (float32), [S, K] each (docs/FORMAT.md).
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class StoreWriter:
         overwrite: bool = False,
         write_streams: int = WRITE_STREAMS,
         scale_groups: int = 0,
+        topk: int = 0,
     ) -> None:
         if hidden_dtype not in STORAGE_DTYPES:
             raise ValueError(f"hidden_dtype {hidden_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
@@ -147,6 +154,8 @@ class StoreWriter:
             raise ValueError(f"shard_tokens {shard_tokens} is not a multiple of chunk_tokens {chunk_tokens}")
         compression = compression or default_compression(hidden_dtype)
         parse_compression(compression)  # fail before touching the disk
+        if topk < 0:
+            raise ValueError(f"topk must be >= 0, got {topk}")
         if write_streams < 1:
             raise ValueError(f"write_streams must be >= 1, got {write_streams}")
         self.write_streams = write_streams
@@ -159,7 +168,8 @@ class StoreWriter:
         self.storage_dtype = np.dtype(STORAGE_DTYPES[hidden_dtype])
         self.shard_tokens = shard_tokens
         self.scale_groups = scale_groups
-        self.token_arrays = token_arrays(hidden_dtype)
+        self.topk = topk
+        self.token_arrays = token_arrays(hidden_dtype, topk)
         self.layout = {
             "hidden_width": int(hidden_width),
             "hidden_dtype": hidden_dtype,
@@ -170,6 +180,7 @@ class StoreWriter:
             "shard_tokens": int(shard_tokens),
             "compression": compression,
             **({"scale_groups": scale_groups} if scaled else {}),
+            **({"topk": topk} if topk else {}),
         }
         if overwrite or not self.progress_file.exists():
             self._create()
@@ -188,7 +199,7 @@ class StoreWriter:
         group = zarr.open_group(
             self.group_dir,
             mode="w",
-            attributes={"format_version": format_version(self.hidden_dtype), "rank": self.rank},
+            attributes={"format_version": format_version(self.hidden_dtype, self.topk), "rank": self.rank},
         )
         cap_t, cap_n, shard = max(1, lay["capacity_tokens"]), max(1, lay["capacity_samples"]), lay["shard_tokens"]
 
@@ -218,6 +229,10 @@ class StoreWriter:
         if self.scale_groups:
             groups = self.scale_groups
             create(SCALES, (cap_t, groups), "float32", (lay["chunk_tokens"], groups), (shard, groups))
+        if self.topk:
+            k = self.topk
+            for name, dtype in ((TOPK_IDS, "int32"), (TOPK_LOGPROBS, "float32")):
+                create(name, (cap_t, k), dtype, (lay["chunk_tokens"], k), (shard, k))
         create("sample_offsets", (cap_n + 1,), "int64", (SAMPLE_CHUNK,), None)
         create("sample_index", (cap_n,), "int64", (SAMPLE_CHUNK,), None)
         self._open_arrays()
@@ -257,7 +272,12 @@ class StoreWriter:
 
     def _shapes(self, tokens: int, samples: int) -> dict[str, tuple[int, ...]]:
         """Every array's shape for `tokens` tokens and `samples` samples."""
-        rows = {"hidden_states": self.layout["hidden_width"], SCALES: self.scale_groups}
+        rows = {
+            "hidden_states": self.layout["hidden_width"],
+            SCALES: self.scale_groups,
+            TOPK_IDS: self.topk,
+            TOPK_LOGPROBS: self.topk,
+        }
         shapes = {name: (tokens,) + ((rows[name],) if name in rows else ()) for name in self.token_arrays}
         return {**shapes, "sample_offsets": (samples + 1,), "sample_index": (samples,)}
 
@@ -288,7 +308,9 @@ class StoreWriter:
     def _new_shard(self, start: int) -> _ShardRows:
         if self._spare:
             return self._spare.pop().reuse(start)
-        return _ShardRows(self.layout["hidden_width"], self.storage_dtype, self.shard_tokens, start, self.scale_groups)
+        return _ShardRows(
+            self.layout["hidden_width"], self.storage_dtype, self.shard_tokens, start, self.scale_groups, self.topk
+        )
 
     # ---------------------------------------------------------------- writing
     @property
@@ -301,7 +323,8 @@ class StoreWriter:
 
     def append_batch(self, batch: Iterable[Sequence[Any]]) -> None:
         """Buffer one batch of (sample_index, input_ids [S], loss_mask [S], hidden [S, W]) samples, in
-        a scaled store (sample_index, input_ids, loss_mask, codes [S, W], scales [S, scale_groups]);
+        a scaled store (sample_index, input_ids, loss_mask, codes [S, W], scales [S, scale_groups]); a
+        top-K store appends (topk_ids int32 [S, K], topk_logprobs float32 [S, K]) to either;
         whole shards that become full are written and the batches they complete committed."""
         if self._commit.done:
             raise StoreError(f"{self.group_dir}: rank store is finalized; nothing more can be appended")
@@ -328,12 +351,15 @@ class StoreWriter:
         self._pending.append((end, len(self._index)))
         self._collect(keep=self.write_streams)
 
-    def _validate(self, index: Any, ids: Any, mask: Any, hidden: Any, *scales: Any) -> tuple[Any, ...]:
+    def _validate(self, index: Any, ids: Any, mask: Any, hidden: Any, *extra: Any) -> tuple[Any, ...]:
         where = f"{self.group_dir}: sample {index}"
-        if len(scales) != (self.scale_groups > 0):
+        wanted = (self.scale_groups > 0) + 2 * (self.topk > 0)
+        if len(extra) != wanted:
             raise ValueError(
-                f"{where}: a {self.hidden_dtype} store takes {3 + (self.scale_groups > 0)} arrays a sample"
+                f"{where}: a {self.hidden_dtype} store{f' with top-{self.topk}' if self.topk else ''} takes "
+                f"{3 + wanted} arrays a sample"
             )
+        scales, topk = extra[: self.scale_groups > 0], extra[self.scale_groups > 0 :]
         ids = np.asarray(ids.numpy() if isinstance(ids, torch.Tensor) else ids)
         mask = np.asarray(mask.numpy() if isinstance(mask, torch.Tensor) else mask)
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
@@ -358,15 +384,17 @@ class StoreWriter:
                 f"{where}: hidden has shape {hidden.shape}, expected {(ids.size, self.layout['hidden_width'])}"
             )
         rows = (int(index), ids.astype(np.int32, copy=False), mask.astype(np.uint8, copy=False), hidden)
-        if not scales:
-            return rows
-        scales = np.asarray(scales[0].numpy() if isinstance(scales[0], torch.Tensor) else scales[0])
-        if scales.dtype != np.float32 or scales.shape != (ids.size, self.scale_groups):
-            raise ValueError(
-                f"{where}: scales must be float32 of shape {(ids.size, self.scale_groups)}, "
-                f"got {scales.dtype} {scales.shape}"
-            )
-        return (*rows, scales)
+        checks = [("scales", np.float32, self.scale_groups)] if scales else []
+        checks += [("topk ids", np.int32, self.topk), ("topk logprobs", np.float32, self.topk)] if topk else []
+        for (what, dtype, width), value in zip(checks, (*scales, *topk)):
+            value = np.asarray(value.numpy() if isinstance(value, torch.Tensor) else value)
+            if value.dtype != dtype or value.shape != (ids.size, width):
+                raise ValueError(
+                    f"{where}: {what} must be {np.dtype(dtype)} of shape {(ids.size, width)}, "
+                    f"got {value.dtype} {value.shape}"
+                )
+            rows = (*rows, value)
+        return rows
 
     def flush_shards(self) -> None:
         """Wait until every full shard handed to the write threads is durable, then commit the
