@@ -61,6 +61,13 @@ def first_turn_prompts(out: Path, n_train: int, n_eval: int, source: Path | None
     return train, held_out
 
 
+def mask_token_id(tokenizer_folder: Path, token: str = "<empty_output>") -> int:
+    """SmolLM2 has no mask token: a rare special one stands in."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_folder).convert_tokens_to_ids(token)
+
+
 def untrained_copy(trained: Path, out: Path, seed: int = 1) -> Path:
     """A drafter of the trained one's exact config with fresh random weights."""
     import torch
@@ -186,9 +193,7 @@ def main() -> None:
     target = smollm2_folder(out / "target", args.gguf)
     where = ["--device", "cpu", "--workers", str(args.workers)] if args.device == "cpu" else ["--gpus", "0"]
     dtype = ["--dtype", "float32"] if args.device == "cpu" else []
-    from transformers import AutoTokenizer
-
-    mask_id = AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(args.mask_token)
+    mask_id = mask_token_id(target, args.mask_token)
     cli = [sys.executable, "-m"]
     t0 = time.perf_counter()
     run_step(

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from bench import emit
 from bench.compression import installed_sharegpt
-from bench.quality import normalised, untrained_copy
+from bench.quality import mask_token_id, normalised, untrained_copy
 from dflash_pipeline.demo import run_step
 
 TRAIN_FILE, EVAL_FILE, DOMAINS_FILE = "train_conversations.jsonl.xz", "eval_prompts.jsonl", "eval_domains.json"
@@ -120,13 +120,6 @@ def train_data(prompts: Path, out: Path) -> Path:
         tmp.write_bytes(lzma.decompress((prompts / TRAIN_FILE).read_bytes()))
         tmp.rename(plain)
     return plain
-
-
-def mask_token_id(target: Path, token: str = "<empty_output>") -> int:
-    """SmolLM2 has no mask token: a rare special one stands in."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(token)
 
 
 def timed(record: Path, name: str, fn) -> None:
