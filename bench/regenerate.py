@@ -293,6 +293,45 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, bucket_step: 
     return row
 
 
+def time_projections(model, rows: int, device, repeats: int = 20) -> dict:
+    """A decode step's q/k/v and gate/up matmuls over every layer at `rows` rows: the engine's two
+    fused matmuls per layer against the five separate ones (HF's modules, views of the same
+    weights), each timed on the device over `repeats` steps. The gain the fused projections bring,
+    apart from the rest of the step."""
+    from dflash_pipeline.shared.generation.decoder import fuse_projections
+
+    layers = model.model.layers
+    groups = [
+        [[a.q_proj, a.k_proj, a.v_proj], [m.gate_proj, m.up_proj]] for a, m in ((x.self_attn, x.mlp) for x in layers)
+    ]
+    fused = [[fuse_projections(g) for g in pair] for pair in groups]
+    x = torch.randn(rows, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
+
+    def separate() -> None:
+        for pair in groups:
+            for group in pair:
+                for module in group:
+                    module(x)
+
+    def together() -> None:
+        for pair in fused:
+            for f in pair:
+                f(x)
+
+    result = {"rows": rows, "layers": len(layers)}
+    with torch.inference_mode():
+        for name, fn in (("separate_ms", separate), ("fused_ms", together)):
+            fn()
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            sync(device)
+            result[name] = (time.perf_counter() - t) / repeats * 1e3
+    result["speedup"] = result["separate_ms"] / result["fused_ms"]
+    return result
+
+
 def profile_prefill(model, prompts, n: int, args, device) -> dict:
     """torch.profiler over one admission's prefill of the first `n` prompts (each asks for one token,
     so the call is the prefill alone), after two unprofiled calls of the same shape (a warm-up, then
@@ -573,6 +612,13 @@ def parse_args(argv=None):
         metavar="N",
         help="also profile one prefill of the first N prompts (operators by device and host time)",
     )
+    ap.add_argument(
+        "--projection-rows",
+        type=int,
+        action="append",
+        default=[],
+        help="also time a decode step's projection matmuls fused vs separate at this many rows (repeatable)",
+    )
     ap.add_argument("--profile-top", type=int, default=12, help="operators listed by --profile-prefill")
     ap.add_argument(
         "--compare-rows", type=int, default=64, help="greedy engine vs HF token agreement over the first N requests"
@@ -714,6 +760,15 @@ def main(argv=None) -> dict:
                     )
                 )
 
+    for rows in args.projection_rows:
+        timed = attempt(f"projections at {rows} rows", lambda rows=rows: time_projections(model, rows, device))
+        if timed:
+            result.setdefault("projections", []).append(timed)
+            print(
+                f"q/k/v + gate/up matmuls of {timed['layers']} layers at {rows} rows: separate "
+                f"{timed['separate_ms']:.2f} ms, fused {timed['fused_ms']:.2f} ms ({timed['speedup']:.2f}x)",
+                flush=True,
+            )
     for batch in args.batch:
         for step in args.bucket_step:
             for sampled in [False, True] if args.sampled else [False]:

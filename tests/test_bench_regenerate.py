@@ -30,6 +30,8 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
             "--sampled",
             "--profile-prefill",
             "3",
+            "--projection-rows",
+            "5",
             "--json",
             str(out),
         ]
@@ -73,6 +75,10 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
     profiled = result["prefill_profile"]
     assert profiled["prompts"] == 3 and profiled["by_host_time"] and profiled["by_device_time"]
     assert any("mm" in r["op"] for r in profiled["by_host_time"])  # the projections ran inside the profile
+
+    (projections,) = result["projections"]
+    assert projections["rows"] == 5 and projections["layers"] == 4
+    assert projections["separate_ms"] > 0 and projections["fused_ms"] > 0
 
     est = result["recipe_estimate"]
     for key in ("regen_engine_h", "regen_old_hf_batch32_h", "extract_h", "train_h", "total_engine_h"):
