@@ -386,6 +386,62 @@ def profile_prefill(model, prompts, n: int, args, device) -> dict:
     }
 
 
+def profile_decode(model, rows: int, context: int, args, device) -> dict:
+    """One decode step of `rows` rows at `context` cached tokens each, eager (no CUDA graph, so the
+    profiler sees every kernel): its unprofiled wall time, then torch.profiler's device time by
+    operator. The step's device time against the graph step the engine runs shows what launches
+    cost; its split (matmuls, attention, the rest) against the roofline shows where the step is
+    slow. The KV cache holds zeros: a decode step's time does not depend on the values."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash_pipeline.shared.generation.decoder import pages_for
+    from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine
+    from dflash_pipeline.shared.generation.sampling import SamplingParams
+
+    per_row = pages_for(context + 1, args.page_size)
+    settings = EngineSettings(
+        max_batch=rows,
+        max_request_tokens=context + 1,
+        page_size=args.page_size,
+        cuda_graphs=False,
+        num_pages=rows * per_row + 1,
+    )
+    decoder = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings).decoder
+    table = torch.arange(1, rows * per_row + 1, dtype=torch.int32, device=device).view(rows, per_row)
+    tokens = torch.randint(0, model.config.vocab_size, (rows,), device=device)
+    positions = torch.full((rows,), context, device=device)
+
+    def step() -> None:
+        decoder.decode(tokens, positions, table)
+
+    with torch.inference_mode():
+        for _ in range(3):
+            step()
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(5):
+            step()
+        sync(device)
+        unprofiled = (time.perf_counter() - t) / 5
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step()
+            sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+    device_ms = sum(getattr(e, key, 0) for e in events) / 1e3
+    return {
+        "rows": rows,
+        "context": context,
+        "seconds_unprofiled": unprofiled,
+        "device_ms": device_ms,
+        "by_device_time": [
+            {"op": e.key, "calls": e.count, "self_device_ms": getattr(e, key, 0) / 1e3}
+            for e in events[: args.profile_top]
+        ],
+    }
+
+
 class EndAtDrawnLength(LogitsProcessor):
     """HF logits processor: row r gets the eos id banned before its drawn length and forced at it,
     so it stops exactly there, like a chat reply ending (without it, a random model never stops)."""
@@ -619,6 +675,14 @@ def parse_args(argv=None):
         default=[],
         help="also time a decode step's projection matmuls fused vs separate at this many rows (repeatable)",
     )
+    ap.add_argument(
+        "--profile-decode",
+        type=int,
+        action="append",
+        default=[],
+        help="also profile one eager decode step at this many rows (repeatable)",
+    )
+    ap.add_argument("--profile-decode-context", type=int, default=650, help="cached tokens per row of --profile-decode")
     ap.add_argument("--profile-top", type=int, default=12, help="operators listed by --profile-prefill")
     ap.add_argument(
         "--compare-rows", type=int, default=64, help="greedy engine vs HF token agreement over the first N requests"
@@ -760,6 +824,21 @@ def main(argv=None) -> dict:
                     )
                 )
 
+    for rows in args.profile_decode:
+        profiled = attempt(
+            f"profile decode at {rows} rows",
+            lambda rows=rows: profile_decode(model, rows, args.profile_decode_context, args, device),
+        )
+        if profiled:
+            result.setdefault("decode_profile", []).append(profiled)
+            print(
+                f"decode step of {rows} rows at context {profiled['context']} (eager): "
+                f"{profiled['seconds_unprofiled'] * 1e3:.1f} ms, device time {profiled['device_ms']:.1f} ms; top ops: "
+                + "; ".join(
+                    f"{r['op'][:40]} x{r['calls']} {r['self_device_ms']:.2f} ms" for r in profiled["by_device_time"]
+                ),
+                flush=True,
+            )
     for rows in args.projection_rows:
         timed = attempt(f"projections at {rows} rows", lambda rows=rows: time_projections(model, rows, device))
         if timed:

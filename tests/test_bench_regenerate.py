@@ -32,6 +32,10 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
             "3",
             "--projection-rows",
             "5",
+            "--profile-decode",
+            "3",
+            "--profile-decode-context",
+            "20",
             "--json",
             str(out),
         ]
@@ -75,6 +79,10 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
     profiled = result["prefill_profile"]
     assert profiled["prompts"] == 3 and profiled["by_host_time"] and profiled["by_device_time"]
     assert any("mm" in r["op"] for r in profiled["by_host_time"])  # the projections ran inside the profile
+
+    (decode,) = result["decode_profile"]
+    assert decode["rows"] == 3 and decode["context"] == 20 and decode["device_ms"] > 0
+    assert any("mm" in r["op"] or "linear" in r["op"] for r in decode["by_device_time"])
 
     (projections,) = result["projections"]
     assert projections["rows"] == 5 and projections["layers"] == 4
