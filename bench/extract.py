@@ -11,12 +11,15 @@ lognormal lengths (mean ~1.5k tokens, 128..3072). Both contenders write to the s
   them compiled (`compile_decoder_layers`, dflash-extract's GPU default), each against the same
   forward with nothing stored (the ceiling); per store dtype, store codec and number of writer threads
   (`--store-dtype`, `--compression`, `--write-streams`, each repeatable), so their effect is measured
-  in one run (fp8 is quantized on the GPU, as dflash-extract does, before the device->host copy).
+  in one run (fp8 is quantized on the GPU, as dflash-extract does, before the device->host copy);
+  with `--store-topk K`, also the pipeline that stores the target's top-K beside the states (the
+  whole model runs: every layer, the final norm and the LM head), with its peak GPU memory.
 MFU counts useful work only: matmul FLOPs of the decoder layers up to the last stored layer plus
 causal attention, over real (unpadded) tokens, against a bf16 matmul rate measured in this run.
 
     python -m bench.extract --out-dir /tmp/bench --json result.json
     python -m bench.extract --out-dir /tmp/bench --store-dtype bfloat16 --store-dtype float8_e4m3fn
+    python -m bench.extract --out-dir /tmp/bench --store-topk 16
 """
 
 from __future__ import annotations
@@ -142,9 +145,10 @@ def bench_pipeline(
     compression: str,
     write_streams: int,
     store_dtype: str = "bfloat16",
+    topk: int = 0,
 ) -> dict:
     """`dflash-extract`'s own batch loop (`run_batches`) into the real crash-safe store writer, on
-    the model's device."""
+    the model's device (`topk`: the whole model, the target's top-K stored with the states)."""
     lengths = [len(s.input_ids) for s in samples]
     plan = plan_batches(lengths, batch_tokens, 64)
     width = model.config.hidden_size * len(layer_ids)
@@ -161,20 +165,25 @@ def bench_pipeline(
         overwrite=True,
         write_streams=write_streams,
         scale_groups=groups,
+        topk=topk,
     )
     device = next(model.parameters()).device
-    runner = BatchRunner(model, layer_ids, device, getattr(torch, store_dtype), pad_id=0)
+    runner = BatchRunner(model, layer_ids, device, getattr(torch, store_dtype), pad_id=0, topk=topk)
     if device.type == "cuda":
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
     _, writer_wait = run_batches(runner, samples, plan.batches, writer)
     writer.finalize()
     seconds = time.perf_counter() - t
     runner.capture.close()
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    row_bytes = width * np.dtype(STORAGE_DTYPES[store_dtype]).itemsize + 4 * groups  # states + scales, raw
+    # states + scales + top-K ids and log-probs, raw
+    row_bytes = width * np.dtype(STORAGE_DTYPES[store_dtype]).itemsize + 4 * groups + 8 * topk
     return {
         "store_dtype": store_dtype,
+        "topk": topk,
+        "peak_memory_GB": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         "compression": compression,
         "write_streams": write_streams,
         "seconds": seconds,
@@ -252,6 +261,12 @@ def main() -> None:
         choices=sorted(STORAGE_DTYPES),
         help="store dtype(s) to run, repeatable [default: bfloat16]",
     )
+    ap.add_argument(
+        "--store-topk",
+        type=int,
+        default=0,
+        help="also run the pipeline storing the target's top-K (whole model, first store dtype/codec/streams)",
+    )
     ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--naive-samples", type=int, default=160, help="the naive baseline runs on the first N samples")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled-layer rows")
@@ -278,12 +293,29 @@ def main() -> None:
     model = random_model(config, "cuda")
     warm = samples[:4]
     rows = []  # (row, samples it ran on)
+    result["pipeline"] = []
     if not args.skip_naive:
         naive_samples = samples[: args.naive_samples]
         bench_naive(model, warm, layer_ids, scratch / "warm")
         result["naive"] = bench_naive(model, naive_samples, layer_ids, scratch / "naive")
         rows.append((result["naive"], naive_samples))
         shutil.rmtree(scratch / "naive")
+    compiled_early = False
+    if args.store_topk:  # the whole target runs (final norm, LM head): measured before the model is cut
+        compiled_early = not args.no_compile
+        if compiled_early:
+            compile_decoder_layers(model)
+        d = store_dtypes[0]
+        c = (args.compression or [default_compression(d)])[0]
+        bench_pipeline(
+            model, samples[:64], layer_ids, scratch / "store", args.batch_tokens, c, streams[0], d, args.store_topk
+        )
+        run = bench_pipeline(
+            model, samples, layer_ids, scratch / "store", args.batch_tokens, c, streams[0], d, args.store_topk
+        )
+        run["compiled"] = compiled_early
+        result["pipeline"].append(run)
+        rows.append((run, samples))
     # the pipeline's own model: decoder cut after the last stored layer, no LM head, no final norm
     layers = decoder_layers(model)
     del layers[layer_ids[-1] + 1 :]
@@ -291,13 +323,13 @@ def main() -> None:
     model.config.layer_types = model.config.layer_types[: layer_ids[-1] + 1]
     drop_unused_modules(model)
     torch.cuda.empty_cache()
-    result["pipeline"] = []
     for compiled in ([] if args.skip_eager else [False]) + ([] if args.no_compile else [True]):
         key = "forward_only_compiled" if compiled else "forward_only"
         if compiled:
             from dflash_pipeline.shared.model.attention import CompileCounter
 
-            compile_decoder_layers(model)
+            if not compiled_early:
+                compile_decoder_layers(model)
             with CompileCounter() as counter:
                 t = time.perf_counter()
                 bench_forward_only(model, samples[:64], layer_ids, args.batch_tokens)  # several batch shapes
@@ -316,7 +348,12 @@ def main() -> None:
             rows.append((run, samples))
     for r, ran in rows:
         r["tokens_per_s"] = sum(len(s.input_ids) for s in ran) / r["seconds"]
-        r["mfu"] = useful_flops(config, layer_ids[-1] + 1, ran) / r["seconds"] / (peak * 1e12)
+        flops = useful_flops(config, layer_ids[-1] + 1, ran)
+        if r.get("topk"):  # every layer, and the LM head over every token
+            flops = useful_flops(config, full_layers, ran) + 2 * config.hidden_size * config.vocab_size * sum(
+                len(s.input_ids) for s in ran
+            )
+        r["mfu"] = flops / r["seconds"] / (peak * 1e12)
     for r in result["pipeline"]:
         r["bytes_per_token"] = r["bytes"] / result["tokens"]
         if "naive" in result:
