@@ -9,7 +9,8 @@
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
 # runs the bench). Call 2 must follow within the machine's 30 s warm time. QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS ("--steps 1000 ...") append flags to those steps;
 # GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py); SMOKE_ARCH=dflash2 smokes
-# the DFlash-2 drafter; SCALE_REGEN_ARGS, SCALE_TRAIN_ARGS, SCALE_EVAL_ARGS go to bench/quality_scale.py's stages.
+# the DFlash-2 drafter; SCALE_PLAN names the plan of the scale step (a file of bench/quality_scale.py stages
+# with deadlines, relative to the checkout; format in bench/scale_plan.sh; default bench/plans/scale_dflash_dflash2.plan).
 set -u
 OUT=${OUT:?set OUT to a results folder}
 export PYTHONUNBUFFERED=1
@@ -74,24 +75,18 @@ for s in $steps; do
         --json '"$OUT"'/quality.json --train-prompts 6000 --eval-prompts 16 --max-new-tokens 256 \
         --eval-max-new-tokens 128 --steps 2000 --num-layers 2 --block-size 16 \
         --pack-tokens 4096 --num-blocks 256 --loader-workers 8 '"${QUALITY_ARGS:-}"'' ;;
-    # bench/quality_scale.py in one call on the warm machine where stash_a ran (carrying .carry_b):
-    # regenerate, then DFlash and DFlash-2 each trained and evaluated at T=0, then both at T=1. Each
-    # stage has a deadline in seconds since the step began (SCALE_DEADLINES, one per stage), resumes on
-    # a rerun, and the report is rewritten after every stage so a cut call still returns what it measured.
+    # bench/quality_scale.py in one call on the warm machine where stash_a ran (carrying .carry_b): the
+    # lines of SCALE_PLAN (default bench/plans/scale_dflash_dflash2.plan; the format: bench/scale_plan.sh),
+    # each under its deadline in seconds since this step began, each stage resuming on a rerun, the report
+    # rewritten after every line so a cut call still returns what it measured.
     # Measured in one 10-minute call: --limit 1200 conversations regenerate in ~110 s, 600 steps of a
     # 5-layer drafter train in ~125 s, and one evaluation of --limit 8 --max-new-tokens 96 takes ~55 s.
-    scale) step scale 580 bash -c '
-      set -e; join_smollm2; qs=(python3 -m bench.quality_scale); run=(--out /tmp/qs/run --prompts .carry_b/scale)
+    scale) step scale 585 bash -c '
+      t0=$(date +%s); set -e; join_smollm2
       [ -d /tmp/qs/target ] || python3 -c "import sys; from pathlib import Path; from bench.compression import smollm2_folder; smollm2_folder(Path(\"/tmp/qs/target\"), Path(sys.argv[1]))" $d/$name
-      read -r t_regen t_dflash t_eval1 t_dflash2 t_eval2 t_eval3 <<< "${SCALE_DEADLINES:-150 280 360 470 545 575}"
-      until_() { local left=$(($1 - SECONDS)); shift; [ $left -gt 5 ] && timeout $left "$@"; "${qs[@]}" report "${run[@]}" --json '"$OUT"'/quality_scale.json > /dev/null || true; }
-      until_ $t_regen "${qs[@]}" regenerate "${run[@]}" --target /tmp/qs/target ${SCALE_REGEN_ARGS:-} || true
-      until_ $t_dflash "${qs[@]}" train "${run[@]}" --name dflash-5l --arch dflash ${SCALE_TRAIN_ARGS:-} || true
-      until_ $t_eval1 "${qs[@]}" evaluate "${run[@]}" --target /tmp/qs/target --temperature 0 ${SCALE_EVAL_ARGS:-} || true
-      until_ $t_dflash2 "${qs[@]}" train "${run[@]}" --name dflash2-5l --arch dflash2 ${SCALE_TRAIN_ARGS:-} || true
-      until_ $t_eval2 "${qs[@]}" evaluate "${run[@]}" --target /tmp/qs/target --temperature 0 ${SCALE_EVAL_ARGS:-} || true
-      until_ $t_eval3 "${qs[@]}" evaluate "${run[@]}" --target /tmp/qs/target --temperature 1 ${SCALE_EVAL_ARGS:-} || true
-      cat '"$OUT"'/quality_scale.json' ;;
+      set +e; bash bench/scale_plan.sh "${SCALE_PLAN:-bench/plans/scale_dflash_dflash2.plan}" /tmp/qs/run .carry_b/scale \
+        /tmp/qs/target '"$OUT"'/quality_scale.json $t0
+      rc=$?; [ -f '"$OUT"'/quality_scale.json ] && cat '"$OUT"'/quality_scale.json; exit $rc' ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done

@@ -61,8 +61,8 @@ def first_turn_prompts(out: Path, n_train: int, n_eval: int, source: Path | None
     return train, held_out
 
 
-def mask_token_id(tokenizer_folder: Path, token: str = "<empty_output>") -> int:
-    """SmolLM2 has no mask token: a rare special one stands in."""
+def mask_token_id(tokenizer_folder: Path, token: str = "<empty_output>") -> int | None:
+    """SmolLM2 has no mask token: a rare special one stands in (None: the tokenizer lacks it)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tokenizer_folder).convert_tokens_to_ids(token)

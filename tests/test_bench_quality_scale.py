@@ -1,0 +1,230 @@
+"""bench/quality_scale.py's stages at toy size on CPU (a tiny random target): a second store built from
+the first one's replies, training on a named store, evaluations several at a time, the report; and
+bench/scale_plan.sh, which runs the stages of a plan file against deadlines. The tests marked slow
+share one run of the stages' CLIs as processes (~35 s on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from bench.quality_scale import conversation_prompts, main, parse, run_summary
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def chat(*users: str) -> dict:
+    turns = [t for u in users for t in ({"from": "human", "value": u}, {"from": "gpt", "value": "a reply"})]
+    return {"id": users[0][:8], "conversations": turns}
+
+
+def stage(*argv: str) -> subprocess.CompletedProcess:
+    """One stage as a user runs it: its own process, the output kept."""
+    return subprocess.run(
+        [sys.executable, "-m", "bench.quality_scale", *argv], cwd=REPO, capture_output=True, text=True
+    )
+
+
+def run_ok(*argv: str) -> str:
+    done = stage(*argv)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def scale_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -> SimpleNamespace:
+    """A bf16 store, an fp8 store of its replies, a drafter trained on each (`on_fp8` on fp8, `on_bf16`
+    on the default store) and both evaluated at T=0 two at a time; the stages' outputs kept."""
+    root = tmp_path_factory.mktemp("quality_scale")
+    records = [
+        chat("Write a python function that sorts a list", "Now make it faster please, in place"),
+        chat("Tell me about the history of the Roman empire"),
+        chat("What is the capital of France and why?", "And of Italy?"),
+        chat("Give me three tips for sleeping better at night"),
+        chat("Explain photosynthesis to a ten year old child"),
+        chat("Debug this javascript code that throws a TypeError"),
+        chat("Solve the equation 3x + 4 = 19 for x, step by step"),
+        chat("Write a short poem about autumn leaves falling"),
+        chat("What should I pack for a week of hiking in the Alps?"),
+    ]
+    source = root / "sharegpt.json"
+    source.write_text(json.dumps(records))
+    prompts, out = root / "prompts", root / "run"
+    conversation_prompts(prompts, 5, 1, source)
+    where = ["--out", str(out), "--prompts", str(prompts), "--device", "cpu"]
+    regen = [*where, "--target", str(tiny_target_dir), "--max-new-tokens", "8", "--max-length", "256"]
+    train = [*where, "--num-layers", "1", "--steps", "1", "--eval-every", "1", "--eval-samples", "1"]
+    logs = {
+        "bf16": run_ok("regenerate", *regen),
+        "fp8": run_ok(
+            "regenerate", *regen, "--store", "fp8", "--store-dtype", "float8_e4m3fn", "--replies-from", "store"
+        ),
+    }
+    run_ok("train", *train, "--name", "on_fp8", "--store", "fp8")
+    run_ok("train", *train, "--name", "on_bf16")
+    evaluate = [*where, "--target", str(tiny_target_dir), "--limit", "2", "--max-new-tokens", "8"]
+    logs["evaluate"] = run_ok("evaluate", *evaluate, "--temperature", "0", "--parallel", "2")
+    report = json.loads(run_ok("report", *where[:4]))
+    return SimpleNamespace(out=out, prompts=prompts, target=tiny_target_dir, logs=logs, report=report)
+
+
+@pytest.mark.slow
+def test_second_store_reuses_the_first_stores_replies(scale_run: SimpleNamespace) -> None:
+    from dflash_pipeline.shared.store.reader import FeatureStore
+
+    assert "0 reused from an earlier run" in scale_run.logs["bf16"]
+    assert "5 reused from an earlier run" in scale_run.logs["fp8"]
+    assert "nothing generated now" in scale_run.logs["fp8"]
+    bf16, fp8 = FeatureStore(scale_run.out / "store"), FeatureStore(scale_run.out / "fp8")
+    assert (bf16.manifest.hidden_dtype, fp8.manifest.hidden_dtype) == ("bfloat16", "float8_e4m3fn")
+    assert len(bf16) == len(fp8) == 5
+    for i in range(len(bf16)):
+        assert bf16[i].input_ids.tolist() == fp8[i].input_ids.tolist()
+        assert bf16[i].loss_mask.tolist() == fp8[i].loss_mask.tolist()
+    stores = scale_run.report["stores"]
+    assert stores["fp8"]["counts"]["regenerated"]["reused"] == 5
+    assert {name: (s["complete"], s["hidden_dtype"], s["store_topk"]) for name, s in stores.items()} == {
+        "store": (True, "bfloat16", 0),
+        "fp8": (True, "float8_e4m3fn", 0),
+    }
+    assert all(s["shard_bytes_per_token"] > 0 for s in stores.values())
+
+
+@pytest.mark.slow
+def test_replies_from_needs_a_complete_store_with_the_same_reply_settings(
+    scale_run: SimpleNamespace, tmp_path: Path
+) -> None:
+    shutil.copytree(scale_run.out / "store", tmp_path / "store")
+    where = ["--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu"]
+    where += ["--target", str(scale_run.target), "--max-length", "256"]
+    with pytest.raises(SystemExit) as missing:
+        main(["regenerate", *where, "--store", "other", "--replies-from", "nope"])
+    assert (
+        str(missing.value.code)
+        == f"quality_scale regenerate: --replies-from nope: no {tmp_path / 'nope' / 'regenerated'}"
+    )
+    assert not (tmp_path / "other").exists()
+    shutil.copytree(tmp_path / "store", tmp_path / "half")
+    manifest = json.loads((tmp_path / "half" / "manifest.json").read_text())
+    (tmp_path / "half" / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    with pytest.raises(SystemExit, match="--replies-from half: that store is not complete"):
+        main(["regenerate", *where, "--store", "other", "--replies-from", "half"])
+    assert not (tmp_path / "other").exists()
+    # the copy carries the source's settings: dflash-extract names the one that differs
+    done = stage("regenerate", *where, "--store", "longer", "--replies-from", "store", "--max-new-tokens", "9")
+    assert done.returncode != 0
+    assert "holds a store made with other settings" in done.stderr and "data.regenerate: {" in done.stderr
+    assert "'max_new_tokens': 8" in done.stderr and "'max_new_tokens': 9" in done.stderr
+
+
+@pytest.mark.slow
+def test_train_uses_the_named_store(scale_run: SimpleNamespace) -> None:
+    runs = scale_run.report["runs"]
+    assert {name: (r["store"], r["store_dtype"], r["loss"]) for name, r in runs.items()} == {
+        "on_fp8": ("fp8", "float8_e4m3fn", "ce"),
+        "on_bf16": ("store", "bfloat16", "ce"),
+    }
+    config = json.loads((scale_run.out / "on_fp8" / "train_config.json").read_text())
+    assert config["store"] == str(scale_run.out / "fp8")
+
+
+@pytest.mark.slow
+def test_evaluations_run_two_at_a_time_and_say_so(scale_run: SimpleNamespace) -> None:
+    out = scale_run.out
+    assert sorted(p.name for p in out.glob("eval_*.json")) == ["eval_on_bf16_T0.json", "eval_on_fp8_T0.json"]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["eval_on_bf16_T0.log", "eval_on_fp8_T0.log"]
+    finished = [line for line in scale_run.logs["evaluate"].splitlines() if ": tau " in line]
+    assert sorted(line.split(":")[0] for line in finished) == ["evaluate on_bf16 T=0", "evaluate on_fp8 T=0"]
+    seconds = json.loads((out / "seconds.json").read_text())
+    assert "evaluate (2 at a time)" in seconds and not any(k.startswith("evaluate on_") for k in seconds)
+    rows = {row["run"]: row for row in scale_run.report["evaluations"]}
+    assert {run: (row["concurrent"], row["temperature"]) for run, row in rows.items()} == {
+        "on_fp8": (2, 0.0),
+        "on_bf16": (2, 0.0),
+    }
+    assert all(row["all_lossless"] for row in rows.values())
+
+
+@pytest.mark.slow
+def test_a_failed_evaluation_fails_the_stage_after_the_others(scale_run: SimpleNamespace, tmp_path: Path) -> None:
+    shutil.copytree(scale_run.out / "on_fp8" / "drafter", tmp_path / "good" / "drafter")
+    (tmp_path / "broken" / "drafter").mkdir(parents=True)
+    (tmp_path / "broken" / "drafter" / "config.json").write_text("{}")
+    evaluate = ["--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu"]
+    evaluate += ["--target", str(scale_run.target), "--limit", "1", "--max-new-tokens", "8", "--temperature", "0"]
+    done = stage("evaluate", *evaluate, "--parallel", "2", "--runs", "broken", "--runs", "good")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "quality_scale evaluate: 1 of 2 failed: broken T=0"
+    assert "evaluate broken T=0: failed (exit code " in done.stdout
+    assert "evaluate good T=0: tau " in done.stdout
+    assert (tmp_path / "eval_good_T0.json").exists() and not (tmp_path / "eval_broken_T0.json").exists()
+    assert list(json.loads((tmp_path / "evaluations.json").read_text())) == ["eval_good_T0.json"]
+    with pytest.raises(SystemExit, match="--runs nothing: no drafter"):
+        main(["evaluate", *evaluate, "--runs", "nothing"])
+
+
+def test_tokens_per_step_count_every_process(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 10, "type": "eval", "tau": 1.5}) + "\n")
+    config = {"store": str(tmp_path / "nowhere"), "pack_tokens": 4096, "packs_per_step": 2, "workers": 1}
+    for device, gpus, processes in (("cuda", [0, 1, 2], 3), ("cpu", [], 1)):
+        (tmp_path / "train_config.json").write_text(json.dumps({**config, "device": device, "gpus": gpus}))
+        run = run_summary(tmp_path)
+        assert run["world_size"] == processes
+        assert run["curve"][0]["train_tokens"] == 10 * 4096 * 2 * processes
+        assert (run["store"], run["store_dtype"]) == ("nowhere", None)  # a store gone: its dtype unknown
+
+
+def plan_lines(plan: Path) -> list[list[str]]:
+    """A plan's lines to run, split as bench/scale_plan.sh splits them."""
+    return [line.split() for line in plan.read_text().splitlines() if line.split() and not line.startswith("#")]
+
+
+def test_bundled_plans_parse_as_stage_options() -> None:
+    plans = sorted((REPO / "bench" / "plans").glob("*.plan"))
+    assert plans
+    for plan in plans:
+        deadlines = []
+        for deadline, name, *args in plan_lines(plan):
+            deadlines.append(int(deadline))
+            where = ["--out", "o", "--prompts", "p"] + ([] if name == "train" else ["--target", "t"])
+            assert name in ("regenerate", "train", "evaluate")
+            assert parse([name, *where, *args]).stage == name
+        assert deadlines == sorted(deadlines) and deadlines[-1] < 585, plan  # within the scale step's limit
+
+
+def scale_plan(tmp_path: Path, plan: str, started: int) -> subprocess.CompletedProcess:
+    (tmp_path / "test.plan").write_text(plan)
+    # python3: this one; bench/ importable from another folder, as gpu_session.sh's PYTHONPATH makes it
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+    }
+    args = ["test.plan", "run", "prompts", "target", "report.json", str(started)]
+    return subprocess.run(
+        ["bash", str(REPO / "bench" / "scale_plan.sh"), *args], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+
+
+def test_scale_plan_checks_every_line_before_running_any(tmp_path: Path) -> None:
+    done = scale_plan(tmp_path, "# a comment\n\n100 train --name x\n200 report\n", int(time.time()))
+    assert (done.returncode, done.stdout) == (2, "test.plan:4: stage 'report' is not regenerate, train or evaluate\n")
+    done = scale_plan(tmp_path, "100 train --name x\n2m evaluate --temperature 0", int(time.time()))
+    assert (done.returncode, done.stdout) == (2, "test.plan:2: deadline '2m' is not whole seconds\n")
+
+
+def test_scale_plan_skips_a_line_past_its_deadline_and_still_reports(tmp_path: Path) -> None:
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "eval_domains.json").write_text("[]")
+    done = scale_plan(tmp_path, "  # indented comment\n60 train --name x", int(time.time()) - 58)
+    assert done.returncode == 1
+    assert done.stdout == "--- plan line 2: train --name x: skipped, its deadline (60 s) has passed\n"
+    assert json.loads((tmp_path / "report.json").read_text())["runs"] == {}
