@@ -50,3 +50,20 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory, sample_corpus: Path) 
     path = tmp_path_factory.mktemp("small_corpus") / "corpus.jsonl"
     path.write_text("\n".join(sample_corpus.read_text().splitlines()[:40]) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def extract_cpu_store(tiny_target_dir: Path):
+    """`extract(data, out, **settings) -> out`: the tiny target's store of a JSONL file, extracted on CPU
+    in one process (max_length 256, 2048-token batches, unless `settings` say otherwise)."""
+    from dflash_pipeline.extract.config import ExtractConfig
+    from dflash_pipeline.extract.run import run_extraction
+
+    def extract(data: Path, out: Path, **settings) -> Path:
+        settings = {"max_length": 256, "batch_tokens": 2048, **settings}
+        run_extraction(
+            ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(out), device="cpu", **settings)
+        )
+        return out
+
+    return extract

@@ -17,8 +17,6 @@ from test_extract_resume import command, run_until_killed
 from test_store import LAYOUT, W, write_manifest_for
 from test_train import base_config, losses
 
-from dflash_pipeline.extract.config import ExtractConfig
-from dflash_pipeline.extract.run import run_extraction
 from dflash_pipeline.shared.store.codec import DEFAULT_COMPRESSION
 from dflash_pipeline.shared.store.fp8 import FP8, FP8_MAX, dequantize, quantize
 from dflash_pipeline.shared.store.manifest import Manifest, ManifestError, load_manifest
@@ -168,25 +166,16 @@ def test_writer_wants_scales_exactly_for_fp8(tmp_path):
 # ------------------------------------------------------------------ end to end on the tiny target
 
 # uncompressed, so the bytes are the format's; small chunks, so padding the last one costs little
-SMALL = dict(max_length=256, batch_tokens=2048, compression="none", chunk_tokens=32, shard_tokens=256)
+SMALL = dict(compression="none", chunk_tokens=32, shard_tokens=256)
 
 
 @pytest.fixture(scope="module")
-def stores(tiny_target_dir, small_corpus, tmp_path_factory) -> dict[str, Path]:
+def stores(extract_cpu_store, small_corpus, tmp_path_factory) -> dict[str, Path]:
     """The same corpus extracted as bf16 and as fp8 (float32 compute on CPU, both rounded from it)."""
-    out = {}
-    for dtype in ("bfloat16", "float8_e4m3fn"):
-        out[dtype] = tmp_path_factory.mktemp(dtype) / "store"
-        cfg = ExtractConfig(
-            target=str(tiny_target_dir),
-            data=(str(small_corpus),),
-            out=str(out[dtype]),
-            device="cpu",
-            store_dtype=dtype,
-            **SMALL,
-        )
-        run_extraction(cfg)
-    return out
+    return {
+        dtype: extract_cpu_store(small_corpus, tmp_path_factory.mktemp(dtype) / "store", store_dtype=dtype, **SMALL)
+        for dtype in ("bfloat16", "float8_e4m3fn")
+    }
 
 
 def test_extracted_fp8_states_are_the_bf16_states_within_the_bound_in_half_the_bytes(stores):

@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 
 from dflash_pipeline.data import sample_corpus_path
-from dflash_pipeline.extract.config import ExtractConfig
-from dflash_pipeline.extract.run import run_extraction
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.holdout import prompt_groups, prompt_key
 from dflash_pipeline.train.packing import split_holdout
@@ -18,22 +16,11 @@ SOURCE = [0, 1, 2, 0, 3, 4, 0, 1, 5, 6, 0, 7, 8, 0, 1, 9, 10, 0, 11, 12]
 
 
 @pytest.fixture(scope="module")
-def dup_store(tiny_target_dir, tmp_path_factory) -> FeatureStore:
+def dup_store(extract_cpu_store, tmp_path_factory) -> FeatureStore:
     lines = sample_corpus_path().read_text().splitlines()
     data = tmp_path_factory.mktemp("dup_data") / "corpus.jsonl"
     data.write_text("".join(lines[k] + "\n" for k in SOURCE))
-    out = tmp_path_factory.mktemp("dup_store") / "store"
-    run_extraction(
-        ExtractConfig(
-            target=str(tiny_target_dir),
-            data=(str(data),),
-            out=str(out),
-            device="cpu",
-            max_length=256,
-            batch_tokens=2048,
-        )
-    )
-    return FeatureStore(out)
+    return FeatureStore(extract_cpu_store(data, tmp_path_factory.mktemp("dup_store") / "store"))
 
 
 @pytest.mark.parametrize("window_tokens", [1, 100, 1 << 24])  # a read per sample, a few, one per shard

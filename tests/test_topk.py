@@ -179,25 +179,18 @@ def test_kl_equals_a_dense_reference_on_a_hand_made_example():
 
 
 # uncompressed, small chunks
-SMALL = dict(max_length=256, batch_tokens=2048, compression="none", chunk_tokens=32, shard_tokens=256)
+SMALL = dict(compression="none", chunk_tokens=32, shard_tokens=256)
 
 
 @pytest.fixture(scope="module")
-def stores(tiny_target_dir, small_corpus, tmp_path_factory) -> dict[int, Path]:
+def stores(extract_cpu_store, small_corpus, tmp_path_factory) -> dict[int, Path]:
     """The same corpus extracted without and with the top-K (float32 compute on CPU)."""
-    out = {}
-    for topk in (0, K):
-        out[topk] = tmp_path_factory.mktemp(f"topk{topk}") / "store"
-        cfg = ExtractConfig(
-            target=str(tiny_target_dir),
-            data=(str(small_corpus),),
-            out=str(out[topk]),
-            device="cpu",
-            store_topk=topk,
-            **SMALL,
+    return {
+        topk: extract_cpu_store(
+            small_corpus, tmp_path_factory.mktemp(f"topk{topk}") / "store", store_topk=topk, **SMALL
         )
-        run_extraction(cfg)
-    return out
+        for topk in (0, K)
+    }
 
 
 def test_extracted_topk_is_torch_topk_of_a_reference_forward(stores, tiny_target_dir):

@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from dflash_pipeline.data import sample_corpus_path
-from dflash_pipeline.extract.config import ExtractConfig
-from dflash_pipeline.extract.run import run_extraction
 from dflash_pipeline.shared.runtime.launch import free_port, spawn_ranks
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.config import TrainConfig
@@ -49,21 +47,10 @@ TRAIN_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def store_dir(tiny_target_dir, tmp_path_factory) -> Path:
+def store_dir(extract_cpu_store, tmp_path_factory) -> Path:
     data = tmp_path_factory.mktemp("data") / "corpus.jsonl"
     data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:48]) + "\n")
-    out = tmp_path_factory.mktemp("store") / "store"
-    run_extraction(
-        ExtractConfig(
-            target=str(tiny_target_dir),
-            data=(str(data),),
-            out=str(out),
-            device="cpu",
-            max_length=256,
-            batch_tokens=2048,
-        )
-    )
-    return out
+    return extract_cpu_store(data, tmp_path_factory.mktemp("store") / "store")
 
 
 def base_config(store: Path, out: Path, **kw) -> TrainConfig:

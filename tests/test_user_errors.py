@@ -27,19 +27,8 @@ TRAIN_ARGS = [*TINY_DRAFTER_ARGS, "--max-steps", "1"]
 
 
 @pytest.fixture(scope="module")
-def store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("store") / "store"
-    run_extraction(
-        ExtractConfig(
-            target=str(tiny_target_dir),
-            data=(str(small_corpus),),
-            out=str(out),
-            device="cpu",
-            max_length=256,
-            batch_tokens=2048,
-        )
-    )
-    return out
+def store(extract_cpu_store, small_corpus, tmp_path_factory) -> Path:
+    return extract_cpu_store(small_corpus, tmp_path_factory.mktemp("store") / "store")
 
 
 @pytest.fixture(scope="module")
