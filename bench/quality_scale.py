@@ -215,6 +215,7 @@ def regenerate(args) -> None:
     cmd += ["--limit", str(args.limit)] if args.limit else []
     cmd += ["--store-topk", str(args.store_topk)] if args.store_topk else []
     cmd += ["--store-dtype", args.store_dtype] if args.store_dtype else []
+    cmd += ["--temperature", str(args.temperature)] if args.temperature else []
     timed(args.out / "seconds.json", f"regenerate+extract {args.store}", lambda: run_step("extract", cmd))
 
 
@@ -382,6 +383,7 @@ def store_summary(root: Path) -> dict:
         "complete": manifest.get("complete", False),
         "hidden_dtype": manifest.get("hidden_dtype"),
         "store_topk": manifest.get("store_topk", 0),
+        "regenerate": manifest.get("settings", {}).get("regenerate"),
         "counts": counts,
         "layer_ids": manifest.get("target", {}).get("layer_ids"),
         "shard_bytes_per_token": round(shard_bytes / counts["tokens"], 1) if counts and counts["tokens"] else None,
@@ -485,6 +487,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             s.add_argument("--target", type=Path, required=True, help="the target's HF folder")
             s.add_argument("--max-new-tokens", type=int, default=512 if name == "regenerate" else 128)
     sub.choices["regenerate"].add_argument("--max-length", type=int, default=2048)
+    sub.choices["regenerate"].add_argument(
+        "--temperature", type=float, default=0.0, help="the replies' sampling temperature (0: greedy)"
+    )
     sub.choices["regenerate"].add_argument("--limit", type=int, default=None, help="conversations [default: all]")
     sub.choices["regenerate"].add_argument(
         "--store-topk", type=int, default=0, help="also store the target's top-K distribution (for --loss kl/mix)"

@@ -96,6 +96,9 @@ def test_second_store_reuses_the_first_stores_replies(scale_run: SimpleNamespace
         "fp8": (True, "float8_e4m3fn", 0),
     }
     assert all(s["shard_bytes_per_token"] > 0 for s in stores.values())
+    assert all(
+        s["regenerate"]["method"] == "greedy" and s["regenerate"]["max_new_tokens"] == 8 for s in stores.values()
+    )
 
 
 @pytest.mark.slow
