@@ -136,6 +136,26 @@ def bench_naive(model, samples, layer_ids, out: Path, batch_size: int = 8) -> di
     return {"seconds": seconds, "bytes": written}
 
 
+class BatchClock:
+    """`run_batches`' progress hook: when each batch was handed to the writer. The rate between the
+    first and the last hand-over is the pipeline's steady state, free of the first forward (nothing
+    to overlap yet), the last writes and `finalize`, which a short bench weighs far more than a run
+    of millions of tokens does."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+
+    def update(self, n: int) -> None:
+        self.times.append(time.perf_counter())
+        self.tokens.append(n)
+
+    def steady_rate(self) -> float | None:
+        if len(self.times) < 2:
+            return None
+        return sum(self.tokens[1:]) / (self.times[-1] - self.times[0])
+
+
 def bench_pipeline(
     model,
     samples,
@@ -172,8 +192,10 @@ def bench_pipeline(
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
+    clock = BatchClock()
     t = time.perf_counter()
-    _, writer_wait = run_batches(runner, samples, plan.batches, writer)
+    _, writer_wait = run_batches(runner, samples, plan.batches, writer, progress=clock)
+    drained = time.perf_counter()
     writer.finalize()
     seconds = time.perf_counter() - t
     runner.capture.close()
@@ -191,6 +213,8 @@ def bench_pipeline(
         "batches": len(plan.batches),
         "padding": padded_fraction(lengths, plan),
         "forward_waited_for_writer_s": writer_wait,
+        "steady_tokens_per_s": clock.steady_rate(),
+        "finalize_s": seconds - (drained - t),
         "write_GBps": row_bytes * sum(lengths) / seconds / 1e9,
     }
 
@@ -344,6 +368,9 @@ def main() -> None:
             run = bench_pipeline(model, samples, layer_ids, scratch / "store", args.batch_tokens, c, n, d)
             run["compiled"] = compiled
             run["vs_forward_only"] = result[key]["seconds"] / run["seconds"]
+            if run["steady_tokens_per_s"] is not None:
+                forward_rate = sum(len(s.input_ids) for s in samples) / result[key]["seconds"]
+                run["steady_vs_forward_only"] = run["steady_tokens_per_s"] / forward_rate
             result["pipeline"].append(run)
             rows.append((run, samples))
     for r, ran in rows:

@@ -154,6 +154,19 @@ def where(args) -> list[str]:
     return ["--gpus", "0"] if args.device == "cuda" else ["--device", "cpu", "--workers", "1"]
 
 
+def complete_manifest(store: Path, who: str):
+    """`store`'s manifest; one line and exit 1 when there is no store there or it is not complete (a
+    regenerate stage cut at its deadline), before a later stage trips over what is missing."""
+    from dflash_pipeline.shared.store import manifest as mf
+
+    if not StoreLayout(store).manifest.exists():
+        sys.exit(f"{who}: no store in {store}; regenerate it first")
+    manifest = mf.load_manifest(store)
+    if not manifest.complete:
+        sys.exit(f"{who}: store {store.name} is not complete; regenerate it first (a rerun resumes it)")
+    return manifest
+
+
 def copy_replies(out: Path, source: str, store: Path, store_dtype: str, store_topk: int) -> None:
     """Start store `store` from complete store `source`'s replies (`regenerated/`, the extractor's
     reply cache, see extract/regenerate.py), so dflash-extract reuses them instead of generating them
@@ -171,9 +184,7 @@ def copy_replies(out: Path, source: str, store: Path, store_dtype: str, store_to
         return
     if not (out / source / "regenerated").is_dir():
         sys.exit(f"quality_scale regenerate: --replies-from {source}: no {out / source / 'regenerated'}")
-    theirs = mf.load_manifest(out / source)
-    if not theirs.complete:
-        sys.exit(f"quality_scale regenerate: --replies-from {source}: that store is not complete; regenerate it first")
+    theirs = complete_manifest(out / source, f"quality_scale regenerate: --replies-from {source}")
     ours = mf.new_manifest(
         target={k: v for k, v in theirs.target.items() if k != "weights_fingerprint"},
         hidden_dtype=store_dtype,
@@ -221,6 +232,7 @@ def regenerate(args) -> None:
 
 def train(args) -> None:
     store = args.out / args.store
+    complete_manifest(store, f"quality_scale train {args.name}")
     cmd = [
         *CLI,
         "dflash_pipeline.train.cli",

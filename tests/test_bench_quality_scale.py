@@ -118,9 +118,17 @@ def test_replies_from_needs_a_complete_store_with_the_same_reply_settings(
     shutil.copytree(tmp_path / "store", tmp_path / "half")
     manifest = json.loads((tmp_path / "half" / "manifest.json").read_text())
     (tmp_path / "half" / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
-    with pytest.raises(SystemExit, match="--replies-from half: that store is not complete"):
+    with pytest.raises(SystemExit, match="--replies-from half: store half is not complete; regenerate it first"):
         main(["regenerate", *where, "--store", "other", "--replies-from", "half"])
     assert not (tmp_path / "other").exists()
+    # a train line after a regenerate line cut at its deadline: one line, nothing trained
+    train = ["train", "--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu", "--name", "d"]
+    with pytest.raises(SystemExit, match="^quality_scale train d: store half is not complete; regenerate it first"):
+        main([*train, "--store", "half"])
+    with pytest.raises(SystemExit) as absent:
+        main([*train, "--store", "never"])
+    assert str(absent.value.code) == f"quality_scale train d: no store in {tmp_path / 'never'}; regenerate it first"
+    assert not (tmp_path / "d").exists()
     # the copy carries the source's settings: dflash-extract names the one that differs
     done = stage("regenerate", *where, "--store", "longer", "--replies-from", "store", "--max-new-tokens", "9")
     assert done.returncode != 0
