@@ -81,6 +81,9 @@ for s in $steps; do
     # rewritten after every line so a cut call still returns what it measured.
     # Measured in one 10-minute call: --limit 1200 conversations regenerate in ~110 s, 600 steps of a
     # 5-layer drafter train in ~125 s, and one evaluation of --limit 8 --max-new-tokens 96 takes ~55 s.
+    # On a bare machine the GGUF conversion takes ~50 s first, and a regenerate line with --store-topk
+    # did not end within 112 s for 1,000 conversations (replies 31 s, extraction 15 s; the notes'
+    # times in the log now show where the rest goes).
     scale) step scale 585 bash -c '
       t0=$(date +%s); set -e; join_smollm2
       [ -d /tmp/qs/target ] || python3 -c "import sys; from pathlib import Path; from bench.compression import smollm2_folder; smollm2_folder(Path(\"/tmp/qs/target\"), Path(sys.argv[1]))" $d/$name

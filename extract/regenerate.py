@@ -32,7 +32,7 @@ from dflash_pipeline.data.records import Record
 from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
 from dflash_pipeline.shared.generation.sampling import SamplingParams, request_key
 from dflash_pipeline.shared.runtime.config import ConfigError, check_options, option
-from dflash_pipeline.shared.runtime.progress import progress_bar
+from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
 
 FSYNC_INTERVAL_S = 2.0
 
@@ -303,12 +303,15 @@ def _generate(
         raise ValueError("regenerate: the tokenizer has no EOS or end-of-turn token; replies would never stop")
     base = engine_settings or EngineSettings()
     capacity = max_length + settings.max_new_tokens
+    built = time.perf_counter()
     engine = GenerationEngine(
         model,
         stop_ids=stops,
         sampling=settings.sampling,
         settings=EngineSettings(**{**asdict(base), "max_request_tokens": capacity}),
     )
+    if rank == 0:
+        progress_note(f"regenerate rank 0: generation engine built in {time.perf_counter() - built:.1f} s")
     bar = progress_bar(total=len(todo), unit="conv", desc=f"regenerate rank {rank}", disable=rank != 0)
     started = time.perf_counter()
     with open(cache, "a", encoding="utf-8") as file:

@@ -335,6 +335,8 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
         finally:
             bar.close()
             runner.capture.close()
+    if rank == 0:
+        progress_note("extract rank 0: sealing the store shard (last writes, fsync)")
     writer.finalize()
     summary.seconds = time.perf_counter() - started
     write_rank_summary(root, summary)

@@ -328,9 +328,13 @@ def test_reading_tokenizing_and_loading_are_shown_before_the_first_batch(tiny_ta
         "tokenize rank 0: 100%",
         "extract rank 0: loading the target's layers",
         "extract rank 0:   0%",
+        "extract rank 0: sealing the store shard",
     ]
     first = [next((i for i, line in enumerate(lines) if step in line), None) for step in steps]
     assert None not in first and first == sorted(first), proc.stderr
+    # notes carry the time they were written, so a log shows how long each step took
+    notes = [lines[first[0]], lines[first[3]], lines[first[5]]]
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d (dflash-extract|extract rank 0): .+", note) for note in notes), notes
     assert not any("rank 1" in line for line in lines)  # one rank speaks for all
     assert len(lines) < 30, proc.stderr  # no line per record
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -243,7 +244,9 @@ def test_sampled_replies_survive_other_worker_counts_and_kill_9(tiny_target_dir,
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(sample_corpus.read_text().splitlines()[:48]) + "\n")
     one = tmp_path / "one"
-    subprocess.run(regenerate_command(tiny_target_dir, data, one, 1, 5), check=True, capture_output=True)
+    first = subprocess.run(regenerate_command(tiny_target_dir, data, one, 1, 5), capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert re.search(r"\d\d:\d\d:\d\d regenerate rank 0: generation engine built in \d+\.\d s\n", first.stderr)
     two = tmp_path / "two"
     subprocess.run(regenerate_command(tiny_target_dir, data, two, 2, 3), check=True, capture_output=True)
     want = regenerated_entries(one)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from tqdm import tqdm
@@ -21,8 +22,9 @@ def progress_bar(**kwargs: Any) -> tqdm:
 
 def progress_note(message: str) -> None:
     """One line on stderr for a step no bar measures (starting processes, loading a model), so a
-    long silence is explained; written through tqdm so that it does not break a bar in a terminal."""
-    tqdm.write(message, file=sys.stderr)
+    long silence is explained; written through tqdm so that it does not break a bar in a terminal.
+    Each line starts with the local time: the gaps between notes in a log are the steps' durations."""
+    tqdm.write(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr)
     sys.stderr.flush()
 
 
