@@ -139,10 +139,11 @@ def packed_causal_attention(
     for start, stop in zip(bounds[:-1], bounds[1:]):
         out[:, start:stop] = F.scaled_dot_product_attention(
             q[None, :, start:stop],
-            _repeat_kv(k[:, start:stop], groups)[None],
-            _repeat_kv(v[:, start:stop], groups)[None],
+            k[None, :, start:stop],
+            v[None, :, start:stop],
             is_causal=True,
             scale=scale,
+            enable_gqa=groups > 1,  # no repeated copy of the keys and values
         )[0]
     return out.transpose(0, 1)
 

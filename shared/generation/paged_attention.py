@@ -19,7 +19,7 @@ kv head `h // (num_heads // num_kv_heads)`.
   (split-K); the number of splits comes from shapes only. Nothing syncs with the host and the launch
   grid depends on shapes only, so a decode step using it can be captured in a CUDA graph.
 - `paged_decode_attention_reference`: plain torch, HF's own computation (gather through the block
-  table, `repeat_kv`, boolean mask, `scaled_dot_product_attention` in q's dtype); also graph-safe.
+  table, boolean mask, `scaled_dot_product_attention` in q's dtype with grouped kv heads); also graph-safe.
 
 Requirements: `lengths[r] >= 1`; head_dim a power of two >= 16; on the Triton path page_size a
 power of two >= 16 as well.
@@ -112,8 +112,8 @@ def paged_decode_attention_reference(
 ) -> torch.Tensor:
     """The same attention in plain torch, on any device, as HF's sdpa attention computes it.
 
-    Gathers all max_pages*page_size positions of every row through the block table, repeats the kv
-    heads like HF's `repeat_kv`, masks positions >= lengths[r] and calls SDPA in q's dtype. Keys
+    Gathers all max_pages*page_size positions of every row through the block table, masks positions
+    >= lengths[r] and calls SDPA in q's dtype, query heads grouped on kv heads as HF's `repeat_kv`. Keys
     and values at masked positions are zeroed first, so whatever an unwritten cache slot holds (even
     NaN) cannot leak in; for finite inputs this changes nothing."""
     b, heads, head_dim = q.shape
@@ -121,21 +121,16 @@ def paged_decode_attention_reference(
     seq = block_table.shape[1] * page_size
     table = block_table.long()
     valid = torch.arange(seq, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [b, S]
-    keep = valid[:, None, :, None]  # [b, 1, S, 1]
-    # [b, max_pages, P, kvh, D] -> [b, S, kvh, D] -> [b, kvh, S, D]
-    k = k_pages[table].reshape(b, seq, kv_heads, head_dim).transpose(1, 2).masked_fill(~keep, 0)
-    v = v_pages[table].reshape(b, seq, kv_heads, head_dim).transpose(1, 2).masked_fill(~keep, 0)
-    k, v = _repeat_kv(k, heads // kv_heads), _repeat_kv(v, heads // kv_heads)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    masked = ~valid[:, :, None, None]  # [b, S, 1, 1]
+    # [b, max_pages, P, kvh, D] -> [b, S, kvh, D] (a new tensor: zeroed in place) -> [b, kvh, S, D]
+    k = k_pages[table].reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
+    v = v_pages[table].reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
+    # enable_gqa: kv head j serves query heads j*n_rep.. (HF's `repeat_kv` rule) without materializing
+    # the repeated keys and values, whose copy cost several times the attention itself on the CPU
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=heads != kv_heads
+    )
     return out[:, :, 0]
-
-
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """HF's `repeat_kv`: [b, kvh, S, D] -> [b, kvh * n_rep, S, D], kv head j serving heads j*n_rep.."""
-    if n_rep == 1:
-        return x
-    b, kv_heads, seq, head_dim = x.shape
-    return x[:, :, None].expand(b, kv_heads, n_rep, seq, head_dim).reshape(b, kv_heads * n_rep, seq, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------------
