@@ -60,18 +60,22 @@ def installed_sharegpt() -> Path:
 def smollm2_folder(cache: Path, gguf: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as a plain HF folder in `cache`, from `gguf` (default: the installed
     package's; a file path lets a machine without the package use a carried copy). The GGUF is
-    dequantized (slow) only once."""
+    dequantized (slow) only once; the folder is written beside `cache` and renamed into place, so a
+    conversion cut short (a deadline, a kill) is never taken for a model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (cache / "config.json").exists():
+    if not cache.exists():
         gguf = gguf or installed_gguf()
+        partial = cache.with_name(cache.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(cache)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(partial)
         # The weights are already dequantized floats; drop the GGUF marker that blocks saving.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(cache)
+        model.save_pretrained(partial)
+        partial.rename(cache)
     return cache
 
 
