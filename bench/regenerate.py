@@ -332,6 +332,79 @@ def time_projections(model, rows: int, device, repeats: int = 20) -> dict:
     return result
 
 
+def time_overlap(model, rows: int, context: int, args, device, repeats: int = 10) -> dict:
+    """Would two half-batches on two streams beat one batch? A decode step runs each layer's matmuls
+    (compute-bound) and then its attention (memory-bound), one after the other. Here one step of
+    `rows` rows at `context` cached tokens each is timed as the engine runs it, and as two decode
+    calls of half the rows each, on one stream and then on two streams whose kernels the GPU may run
+    side by side (one half's attention beside the other's matmuls), each replayed from one CUDA graph.
+    `streams_gain` > 1 is what splitting the engine's step would buy. Off CUDA there are no streams
+    or graphs: the three run eagerly one after the other."""
+    from dflash_pipeline.shared.generation.decoder import pages_for
+    from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine
+    from dflash_pipeline.shared.generation.sampling import SamplingParams
+
+    half = rows // 2
+    per_row = pages_for(context + 1, args.page_size)
+    settings = EngineSettings(
+        max_batch=rows,
+        max_request_tokens=context + 1,
+        page_size=args.page_size,
+        cuda_graphs=False,
+        num_pages=rows * per_row + 1,
+    )
+    decoder = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings).decoder
+    table = torch.arange(1, rows * per_row + 1, dtype=torch.int32, device=device).view(rows, per_row)
+    tokens = torch.randint(0, model.config.vocab_size, (rows,), device=device)
+    positions = torch.full((rows,), context, device=device)
+    a, b = slice(0, half), slice(half, 2 * half)
+
+    def whole() -> None:
+        decoder.decode(tokens, positions, table)
+
+    def halves() -> None:
+        decoder.decode(tokens[a], positions[a], table[a])
+        decoder.decode(tokens[b], positions[b], table[b])
+
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def halves_on_two_streams() -> None:
+        if side is None:
+            return halves()
+        side.wait_stream(torch.cuda.current_stream(device))
+        decoder.decode(tokens[a], positions[a], table[a])
+        with torch.cuda.stream(side):
+            decoder.decode(tokens[b], positions[b], table[b])
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    result = {"rows": rows, "half": half, "context": context}
+    with torch.inference_mode():
+        # the same work either way: each row's logits do not depend on the rows beside it
+        split = torch.cat([decoder.decode(tokens[r], positions[r], table[r]) for r in (a, b)])
+        result["halves_max_abs_diff"] = float(
+            (split - decoder.decode(tokens, positions, table)[: 2 * half]).abs().max()
+        )
+        for name, fn in (("whole_ms", whole), ("halves_ms", halves), ("two_streams_ms", halves_on_two_streams)):
+            for _ in range(3):  # compiles the layers' pointwise work for the half size too
+                fn()
+            sync(device)
+            run = fn
+            if device.type == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                run = graph.replay
+                run()
+                sync(device)
+            t = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            sync(device)
+            result[name] = (time.perf_counter() - t) / repeats * 1e3
+    result["streams_gain"] = result["whole_ms"] / result["two_streams_ms"]
+    return result
+
+
 def profile_prefill(model, prompts, n: int, args, device) -> dict:
     """torch.profiler over one admission's prefill of the first `n` prompts (each asks for one token,
     so the call is the prefill alone), after two unprofiled calls of the same shape (a warm-up, then
@@ -682,7 +755,19 @@ def parse_args(argv=None):
         default=[],
         help="also profile one eager decode step at this many rows (repeatable)",
     )
-    ap.add_argument("--profile-decode-context", type=int, default=650, help="cached tokens per row of --profile-decode")
+    ap.add_argument(
+        "--overlap-rows",
+        type=int,
+        action="append",
+        default=[],
+        help="also time a decode step at this many rows whole against two half-batches on two streams (repeatable)",
+    )
+    ap.add_argument(
+        "--profile-decode-context",
+        type=int,
+        default=650,
+        help="cached tokens per row of --profile-decode and --overlap-rows",
+    )
     ap.add_argument("--profile-top", type=int, default=12, help="operators listed by --profile-prefill")
     ap.add_argument(
         "--compare-rows", type=int, default=64, help="greedy engine vs HF token agreement over the first N requests"
@@ -837,6 +922,19 @@ def main(argv=None) -> dict:
                 + "; ".join(
                     f"{r['op'][:40]} x{r['calls']} {r['self_device_ms']:.2f} ms" for r in profiled["by_device_time"]
                 ),
+                flush=True,
+            )
+    for rows in args.overlap_rows:
+        timed = attempt(
+            f"two streams at {rows} rows",
+            lambda rows=rows: time_overlap(model, rows, args.profile_decode_context, args, device),
+        )
+        if timed:
+            result.setdefault("overlap", []).append(timed)
+            print(
+                f"decode step of {rows} rows at context {timed['context']}: whole {timed['whole_ms']:.2f} ms, "
+                f"two halves {timed['halves_ms']:.2f} ms, two halves on two streams {timed['two_streams_ms']:.2f} ms "
+                f"({timed['streams_gain']:.2f}x the whole step)",
                 flush=True,
             )
     for rows in args.projection_rows:

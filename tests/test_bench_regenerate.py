@@ -36,6 +36,8 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
             "3",
             "--profile-decode-context",
             "20",
+            "--overlap-rows",
+            "6",
             "--json",
             str(out),
         ]
@@ -83,6 +85,11 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
     (decode,) = result["decode_profile"]
     assert decode["rows"] == 3 and decode["context"] == 20 and decode["device_ms"] > 0
     assert any("mm" in r["op"] or "linear" in r["op"] for r in decode["by_device_time"])
+
+    (overlap,) = result["overlap"]
+    assert (overlap["rows"], overlap["half"], overlap["context"]) == (6, 3, 20)
+    assert overlap["halves_max_abs_diff"] < 1e-4  # two half-batches compute what the whole batch does
+    assert min(overlap["whole_ms"], overlap["halves_ms"], overlap["two_streams_ms"]) > 0
 
     (projections,) = result["projections"]
     assert projections["rows"] == 5 and projections["layers"] == 4
