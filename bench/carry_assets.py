@@ -4,8 +4,9 @@ That machine has no internet and no package index, and takes at most 64 MiB per 
 GGUF (94 MiB) does not fit one upload, so it travels in halves over two consecutive calls on the same
 warm machine: `.carry_a/` (call 1: step `stash_a` of bench/gpu_session.sh keeps part-1 in /tmp) and
 `.carry_b/` (call 2: step `quality` joins the halves, checks the sha256 and runs the bench). Each
-folder also holds `wheels/`: the `.carry/wheels` the image lacks plus `gguf` (transformers needs it
-to read a GGUF) and `pyyaml` (imported by gguf), so either call installs everything. The prompt
+folder also holds `wheels/`, downloaded here for the image's CPython 3.12 at the versions installed
+here: zarr and its dependencies, which the image lacks, plus `gguf` (transformers needs it to read a
+GGUF) and `pyyaml` (imported by gguf), so either call installs everything. The prompt
 files (bench/quality.py's in smollm2/, bench/quality_scale.py's in scale/) are built here from the
 installed ShareGPT package, which cannot go there either.
 
@@ -29,8 +30,9 @@ from bench.quality_scale import conversation_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 60 * 2**20  # per folder: the 64 MiB upload also carries the repository itself
-# pure python gguf and what it imports at load time (numpy and tqdm are on the image already)
-EXTRA_WHEELS = ("gguf", "pyyaml")
+# what the GPU image lacks: zarr and its dependencies (numpy, packaging and typing-extensions are
+# there), pure python gguf and what it imports at load time (numpy and tqdm are there too)
+EXTRA_WHEELS = ("zarr", "numcodecs", "donfig", "google-crc32c", "gguf", "pyyaml")
 # the GPU image: CPython 3.12 on x86_64 Linux
 PLATFORM = [
     "--python-version",
@@ -89,12 +91,9 @@ def main() -> None:
     ap.add_argument("--eval-per-domain", type=int, default=8, help="bench/quality_scale.py's held-out prompts")
     args = ap.parse_args()
     gguf = args.gguf or installed_gguf()
-    base_wheels = sorted((ROOT / ".carry" / "wheels").glob("*.whl"))
-    if not base_wheels:
-        raise SystemExit(f"no wheels in {ROOT / '.carry' / 'wheels'} (zarr and its dependencies for the GPU image)")
     folders = [ROOT / ".carry_a", ROOT / ".carry_b"]
     with tempfile.TemporaryDirectory() as tmp:
-        wheels = base_wheels + download_wheels(Path(tmp))
+        wheels = download_wheels(Path(tmp))
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
             (folder / "wheels").mkdir(parents=True)

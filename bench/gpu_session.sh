@@ -2,7 +2,8 @@
 # One batched session on a lent GPU machine (device time is scarce): GPU tests, both benchmarks and a
 # GPU smoke run of the three CLIs on a tiny target. Every step runs even if an earlier one failed;
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
-# .carry/wheels, or in .carry_a/wheels / .carry_b/wheels (a superset: bench/carry_assets.py).
+# .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels / .carry_b/wheels
+# (a superset, downloaded by bench/carry_assets.py).
 #   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality scale
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
