@@ -67,7 +67,9 @@ def write_store(
     writer.finalize()
 
 
-def write_manifest_for(root: Path, *, complete: bool, dtype: str = "bfloat16", world_size: int = 1) -> None:
+def write_manifest_for(
+    root: Path, *, complete: bool, dtype: str = "bfloat16", world_size: int = 1, store_topk: int = 0
+) -> None:
     m = new_manifest(
         target={
             "name_or_path": "tiny",
@@ -80,6 +82,7 @@ def write_manifest_for(root: Path, *, complete: bool, dtype: str = "bfloat16", w
         },
         hidden_dtype=dtype,
         world_size=world_size,
+        store_topk=store_topk,
     )
     if complete:
         mark_complete(root, m, shards=finished_shards(root, world_size)[0])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from test_store import LAYOUT, W, make_batch
+from test_store import LAYOUT, make_batch, write_manifest_for
 from test_train import base_config, losses
 
 from dflash_pipeline.extract.config import ExtractConfig
@@ -21,8 +21,7 @@ from dflash_pipeline.extract.run import run_extraction
 from dflash_pipeline.shared.model.blocks import IGNORE_INDEX
 from dflash_pipeline.shared.model.loss import dflash_loss, loss_weights, topk_kl
 from dflash_pipeline.shared.store.errors import StoreMismatch
-from dflash_pipeline.shared.store.manifest import Manifest, ManifestError, mark_complete, new_manifest
-from dflash_pipeline.shared.store.progress import finished_shards
+from dflash_pipeline.shared.store.manifest import Manifest, ManifestError, new_manifest
 from dflash_pipeline.shared.store.reader import FeatureStore, stores_equal
 from dflash_pipeline.shared.store.writer import StoreWriter
 from dflash_pipeline.shared.target.loading import load_full_target
@@ -49,21 +48,7 @@ def write_topk_store(root: Path, seed: int, n_batches: int) -> None:
     for b in range(writer.resume(), n_batches):
         writer.append_batch(topk_batch(seed, b))
     writer.finalize()
-    m = new_manifest(
-        target={
-            "name_or_path": "tiny",
-            "architecture": "Qwen3ForCausalLM",
-            "config_hash": "abc123",
-            "num_layers": 4,
-            "hidden_size": W // 2,
-            "layer_ids": [1, 2],
-            "vocab_size": 50_000,
-        },
-        hidden_dtype="bfloat16",
-        world_size=1,
-        store_topk=K,
-    )
-    mark_complete(root, m, shards=finished_shards(root, 1)[0])
+    write_manifest_for(root, complete=True, store_topk=K)
 
 
 def test_store_round_trip_keeps_the_topk_bit_exact_and_says_so_in_its_version(tmp_path):
