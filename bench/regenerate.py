@@ -332,19 +332,14 @@ def time_projections(model, rows: int, device, repeats: int = 20) -> dict:
     return result
 
 
-def time_overlap(model, rows: int, context: int, args, device, repeats: int = 10) -> dict:
-    """Would two half-batches on two streams beat one batch? A decode step runs each layer's matmuls
-    (compute-bound) and then its attention (memory-bound), one after the other. Here one step of
-    `rows` rows at `context` cached tokens each is timed as the engine runs it, and as two decode
-    calls of half the rows each, on one stream and then on two streams whose kernels the GPU may run
-    side by side (one half's attention beside the other's matmuls), each replayed from one CUDA graph.
-    `streams_gain` > 1 is what splitting the engine's step would buy. Off CUDA there are no streams
-    or graphs: the three run eagerly one after the other."""
+def decode_inputs(model, rows: int, context: int, args, device) -> tuple:
+    """An eager (graph-free) decoder with a KV cache of `rows` rows, and one decode step's inputs:
+    random tokens at position `context` with the rows' pages in a block table, (decoder, tokens,
+    positions, block_table). The cache holds zeros: a step's time does not depend on the values."""
     from dflash_pipeline.shared.generation.decoder import pages_for
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
-    half = rows // 2
     per_row = pages_for(context + 1, args.page_size)
     settings = EngineSettings(
         max_batch=rows,
@@ -357,6 +352,19 @@ def time_overlap(model, rows: int, context: int, args, device, repeats: int = 10
     table = torch.arange(1, rows * per_row + 1, dtype=torch.int32, device=device).view(rows, per_row)
     tokens = torch.randint(0, model.config.vocab_size, (rows,), device=device)
     positions = torch.full((rows,), context, device=device)
+    return decoder, tokens, positions, table
+
+
+def time_overlap(model, rows: int, context: int, args, device, repeats: int = 10) -> dict:
+    """Would two half-batches on two streams beat one batch? A decode step runs each layer's matmuls
+    (compute-bound) and then its attention (memory-bound), one after the other. Here one step of
+    `rows` rows at `context` cached tokens each is timed as the engine runs it, and as two decode
+    calls of half the rows each, on one stream and then on two streams whose kernels the GPU may run
+    side by side (one half's attention beside the other's matmuls), each replayed from one CUDA graph.
+    `streams_gain` > 1 is what splitting the engine's step would buy. Off CUDA there are no streams
+    or graphs: the three run eagerly one after the other."""
+    half = rows // 2
+    decoder, tokens, positions, table = decode_inputs(model, rows, context, args, device)
     a, b = slice(0, half), slice(half, 2 * half)
 
     def whole() -> None:
@@ -464,25 +472,10 @@ def profile_decode(model, rows: int, context: int, args, device) -> dict:
     profiler sees every kernel): its unprofiled wall time, then torch.profiler's device time by
     operator. The step's device time against the graph step the engine runs shows what launches
     cost; its split (matmuls, attention, the rest) against the roofline shows where the step is
-    slow. The KV cache holds zeros: a decode step's time does not depend on the values."""
+    slow (inputs: `decode_inputs`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dflash_pipeline.shared.generation.decoder import pages_for
-    from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine
-    from dflash_pipeline.shared.generation.sampling import SamplingParams
-
-    per_row = pages_for(context + 1, args.page_size)
-    settings = EngineSettings(
-        max_batch=rows,
-        max_request_tokens=context + 1,
-        page_size=args.page_size,
-        cuda_graphs=False,
-        num_pages=rows * per_row + 1,
-    )
-    decoder = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings).decoder
-    table = torch.arange(1, rows * per_row + 1, dtype=torch.int32, device=device).view(rows, per_row)
-    tokens = torch.randint(0, model.config.vocab_size, (rows,), device=device)
-    positions = torch.full((rows,), context, device=device)
+    decoder, tokens, positions, table = decode_inputs(model, rows, context, args, device)
 
     def step() -> None:
         decoder.decode(tokens, positions, table)
