@@ -106,10 +106,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _repeat_kv(x: torch.Tensor, groups: int, dim: int = 0) -> torch.Tensor:
-    """kv heads along `dim` repeated `groups` times each ([heads_kv, T, D] -> [heads_kv * groups, T, D]
-    by default): query head h on kv head h // groups (HF's rule)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[T, heads_kv, D] -> [T, heads_kv * groups, D]: query head h on kv head h // groups (HF's rule),
+    for the varlen call, which is given as many kv heads as query heads."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def uses_varlen(x: torch.Tensor) -> bool:
@@ -132,7 +132,7 @@ def packed_causal_attention(
     where `uses_varlen`, else None); returns [T, heads, D]."""
     if cu_seq is not None:
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        k, v = _repeat_kv(k, groups, dim=1), _repeat_kv(v, groups, dim=1)
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         return varlen_attn(q, k, v, cu_seq, cu_seq, longest, longest, scale=scale, window_size=(-1, 0))
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, D]
     out = torch.empty_like(q)
