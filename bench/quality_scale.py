@@ -227,6 +227,7 @@ def regenerate(args) -> None:
     cmd += ["--store-topk", str(args.store_topk)] if args.store_topk else []
     cmd += ["--store-dtype", args.store_dtype] if args.store_dtype else []
     cmd += ["--temperature", str(args.temperature)] if args.temperature else []
+    cmd += ["--gen-batch-size", str(args.gen_batch_size)] if args.gen_batch_size else []
     timed(args.out / "seconds.json", f"regenerate+extract {args.store}", lambda: run_step("extract", cmd))
 
 
@@ -250,7 +251,7 @@ def train(args) -> None:
         "--pack-tokens",
         "4096",
         "--num-blocks",
-        "256",
+        str(args.num_blocks),
         "--max-steps",
         str(args.steps),
         "--epochs",
@@ -515,6 +516,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     sub.choices["regenerate"].add_argument(
         "--replies-from", metavar="NAME", default=None, help="reuse store NAME's replies: the same conversations"
     )
+    sub.choices["regenerate"].add_argument(
+        "--gen-batch-size", type=int, default=None, help="dflash-extract --gen-batch-size [default: dflash-extract's]"
+    )
     for name in ("regenerate", "train"):
         sub.choices[name].add_argument("--store", metavar="NAME", default="store", help="the store's folder in --out")
     t = sub.choices["train"]
@@ -524,6 +528,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--eval-every", type=int, default=250)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--num-blocks", type=int, default=256, help="draft blocks per step (dflash-train --num-blocks)")
     t.add_argument("--eval-samples", type=int, default=64, help="held-out store samples of the offline tau")
     t.add_argument("--loss", choices=["ce", "kl", "mix"], default="ce", help="dflash-train --loss (kl: a top-K store)")
     t.add_argument("--kl-weight", type=float, default=0.5, help="--loss mix: the KL term's weight")

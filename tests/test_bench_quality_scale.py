@@ -68,7 +68,7 @@ def scale_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -
             "regenerate", *regen, "--store", "fp8", "--store-dtype", "float8_e4m3fn", "--replies-from", "store"
         ),
     }
-    run_ok("train", *train, "--name", "on_fp8", "--store", "fp8")
+    run_ok("train", *train, "--name", "on_fp8", "--store", "fp8", "--num-blocks", "8")
     run_ok("train", *train, "--name", "on_bf16")
     evaluate = [*where, "--target", str(tiny_target_dir), "--limit", "2", "--max-new-tokens", "8"]
     logs["evaluate"] = run_ok("evaluate", *evaluate, "--temperature", "0", "--parallel", "2")
@@ -144,7 +144,24 @@ def test_train_uses_the_named_store(scale_run: SimpleNamespace) -> None:
         "on_bf16": ("store", "bfloat16", "ce"),
     }
     config = json.loads((scale_run.out / "on_fp8" / "train_config.json").read_text())
-    assert config["store"] == str(scale_run.out / "fp8")
+    assert (config["store"], config["num_blocks"]) == (str(scale_run.out / "fp8"), 8)
+    assert json.loads((scale_run.out / "on_bf16" / "train_config.json").read_text())["num_blocks"] == 256
+
+
+def test_regenerate_passes_the_generation_batch_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.quality_scale as quality_scale
+
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps([chat("Write a python function that sorts a list"), chat("Tell me a story")]))
+    conversation_prompts(tmp_path / "prompts", 1, 1, source)
+    commands = []
+    monkeypatch.setattr(quality_scale, "run_step", lambda name, cmd: commands.append(cmd))
+    where = ["--out", str(tmp_path / "run"), "--prompts", str(tmp_path / "prompts"), "--target", "t"]
+    main(["regenerate", *where, "--gen-batch-size", "64"])
+    main(["regenerate", *where])
+    given, default = commands
+    assert given[given.index("--gen-batch-size") + 1] == "64"
+    assert "--gen-batch-size" not in default  # dflash-extract's own default
 
 
 @pytest.mark.slow

@@ -10,16 +10,19 @@ Layout: `k_pages`/`v_pages` [num_pages, page_size, num_kv_heads, head_dim]; toke
 `k_pages[block_table[r, t // page_size], t % page_size]`. GQA as HF's `repeat_kv`: query head h uses
 kv head `h // (num_heads // num_kv_heads)`.
 
-- `paged_decode_attention`: the Triton kernel on CUDA tensors, `paged_decode_attention_reference`
-  elsewhere. The kernel runs one program per (row, kv head) with that kv head's G query heads as the
-  rows of one tile (padded to 16 for `tl.dot`), loops over the row's pages only (the loop bound comes
-  from the loaded length) with an online softmax in float32; the page ids come from registers, so
-  Triton keeps num_stages - 1 pages of K and V in flight per program. With few (row, kv head) programs for the
-  GPU (small batch), the pages of a row are split over several programs plus a small reduce
-  (split-K); the number of splits comes from shapes only. Nothing syncs with the host and the launch
-  grid depends on shapes only, so a decode step using it can be captured in a CUDA graph.
+- `paged_decode_attention`: the Triton kernel on CUDA tensors; elsewhere (the CPU) one SDPA call per
+  row over exactly its own tokens, gathered page by page: no host-sync rule to keep without CUDA
+  graphs, and a row reads `lengths[r]` tokens instead of the block table's whole width. The kernel
+  runs one program per (row, kv head) with that kv head's G query heads as the rows of one tile
+  (padded to 16 for `tl.dot`), loops over the row's pages only (the loop bound comes from the loaded
+  length) with an online softmax in float32; the page ids come from registers, so Triton keeps
+  num_stages - 1 pages of K and V in flight per program. With few (row, kv head) programs for the GPU
+  (small batch), the pages of a row are split over several programs plus a small reduce (split-K);
+  the number of splits comes from shapes only. Nothing syncs with the host and the launch grid
+  depends on shapes only, so a decode step using it can be captured in a CUDA graph.
 - `paged_decode_attention_reference`: plain torch, HF's own computation (gather through the block
-  table, boolean mask, `scaled_dot_product_attention` in q's dtype with grouped kv heads); also graph-safe.
+  table, boolean mask, `scaled_dot_product_attention` in q's dtype with grouped kv heads); also
+  graph-safe. The tests' reference for both paths.
 
 Requirements: `lengths[r] >= 1`; head_dim a power of two >= 16; on the Triton path page_size a
 power of two >= 16 as well.
@@ -90,15 +93,40 @@ def paged_decode_attention(
 
     q [b, num_heads, head_dim]; k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim] (q's
     dtype); block_table [b, max_pages] int32; lengths [b] int32/int64, each in 1..max_pages*page_size.
-    Returns [b, num_heads, head_dim] in q's dtype (written into `out` if given). Triton kernel on
-    CUDA, the torch reference elsewhere; no host sync on either path."""
+    Returns [b, num_heads, head_dim] in q's dtype (written into `out` if given). The Triton kernel on
+    CUDA (no host sync: graph-safe), row by row elsewhere."""
     if q.is_cuda:
         return _paged_decode_attention_triton(q, k_pages, v_pages, block_table, lengths, scale, out=out)
     _check(q, k_pages, v_pages, block_table, lengths)
-    result = paged_decode_attention_reference(q, k_pages, v_pages, block_table, lengths, scale)
-    if out is None:
-        return result
-    out.copy_(result)
+    return _paged_decode_attention_rows(q, k_pages, v_pages, block_table, lengths, scale, out=out)
+
+
+def _paged_decode_attention_rows(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row by row, as HF attends one unpadded prompt: the row's first `lengths[r]` keys and values,
+    gathered from its pages, into SDPA without a mask. On the CPU the reference's gather of every row's
+    whole block-table width, its masking and SDPA's copy of the masked keys cost ~4x this (one SmolLM2
+    layer, 16 rows at context ~600). Reads the lengths on the host, so not for CUDA graphs."""
+    _, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    out = torch.empty_like(q) if out is None else out
+    for row, n in enumerate(lengths.tolist()):
+        pages = block_table[row, : -(-n // page_size)].long()
+        # 4-d [1, kv_heads, n, head_dim] views: SDPA's CPU flash kernel takes them as they are
+        k, v = (
+            t.index_select(0, pages).view(-1, kv_heads, head_dim)[None, :n].transpose(1, 2) for t in (k_pages, v_pages)
+        )
+        out[row] = F.scaled_dot_product_attention(
+            q[row, None, :, None], k, v, scale=scale, enable_gqa=heads != kv_heads
+        )[0, :, 0]
     return out
 
 
