@@ -902,43 +902,46 @@ def main(argv=None) -> dict:
                     )
                 )
 
+    def measure_rows(key: str, name: str, fn, line) -> None:
+        """One measurement per --profile-decode / --overlap-rows / --projection-rows size: appended to
+        result[key] and printed as `line(row)` when it ran."""
+        row = attempt(name, fn)
+        if row:
+            result.setdefault(key, []).append(row)
+            print(line(row), flush=True)
+
     for rows in args.profile_decode:
-        profiled = attempt(
+        measure_rows(
+            "decode_profile",
             f"profile decode at {rows} rows",
             lambda rows=rows: profile_decode(model, rows, args.profile_decode_context, args, device),
+            lambda r: (
+                f"decode step of {r['rows']} rows at context {r['context']} (eager): "
+                f"{r['seconds_unprofiled'] * 1e3:.1f} ms, device time {r['device_ms']:.1f} ms; top ops: "
+                + "; ".join(f"{o['op'][:40]} x{o['calls']} {o['self_device_ms']:.2f} ms" for o in r["by_device_time"])
+            ),
         )
-        if profiled:
-            result.setdefault("decode_profile", []).append(profiled)
-            print(
-                f"decode step of {rows} rows at context {profiled['context']} (eager): "
-                f"{profiled['seconds_unprofiled'] * 1e3:.1f} ms, device time {profiled['device_ms']:.1f} ms; top ops: "
-                + "; ".join(
-                    f"{r['op'][:40]} x{r['calls']} {r['self_device_ms']:.2f} ms" for r in profiled["by_device_time"]
-                ),
-                flush=True,
-            )
     for rows in args.overlap_rows:
-        timed = attempt(
+        measure_rows(
+            "overlap",
             f"two streams at {rows} rows",
             lambda rows=rows: time_overlap(model, rows, args.profile_decode_context, args, device),
+            lambda r: (
+                f"decode step of {r['rows']} rows at context {r['context']}: whole {r['whole_ms']:.2f} ms, "
+                f"two halves {r['halves_ms']:.2f} ms, two halves on two streams {r['two_streams_ms']:.2f} ms "
+                f"({r['streams_gain']:.2f}x the whole step)"
+            ),
         )
-        if timed:
-            result.setdefault("overlap", []).append(timed)
-            print(
-                f"decode step of {rows} rows at context {timed['context']}: whole {timed['whole_ms']:.2f} ms, "
-                f"two halves {timed['halves_ms']:.2f} ms, two halves on two streams {timed['two_streams_ms']:.2f} ms "
-                f"({timed['streams_gain']:.2f}x the whole step)",
-                flush=True,
-            )
     for rows in args.projection_rows:
-        timed = attempt(f"projections at {rows} rows", lambda rows=rows: time_projections(model, rows, device))
-        if timed:
-            result.setdefault("projections", []).append(timed)
-            print(
-                f"q/k/v + gate/up matmuls of {timed['layers']} layers at {rows} rows: separate "
-                f"{timed['separate_ms']:.2f} ms, fused {timed['fused_ms']:.2f} ms ({timed['speedup']:.2f}x)",
-                flush=True,
-            )
+        measure_rows(
+            "projections",
+            f"projections at {rows} rows",
+            lambda rows=rows: time_projections(model, rows, device),
+            lambda r: (
+                f"q/k/v + gate/up matmuls of {r['layers']} layers at {r['rows']} rows: separate "
+                f"{r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms ({r['speedup']:.2f}x)"
+            ),
+        )
     for batch in args.batch:
         for step in args.bucket_step:
             for sampled in [False, True] if args.sampled else [False]:

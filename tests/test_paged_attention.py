@@ -105,7 +105,7 @@ def test_reference_equals_naive_float64(dtype, heads, kv_heads, page):
         assert rel_err(rows, ref) < 1e-2
 
 
-def test_reference_accepts_int64_lengths_and_out():
+def test_dispatcher_accepts_int64_lengths_and_out():
     q, k, v, table, lengths = make_case(5, 8, 2, 16, 8, 4, torch.float32, seed=3)
     ref = paged_decode_attention(q, k, v, table, lengths.to(torch.int32), 0.3)
     out = torch.full_like(q, float("nan"))
