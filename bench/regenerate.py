@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import math
 import statistics
@@ -226,9 +225,7 @@ def stats_of_call(before: dict, after: dict) -> dict:
     }
 
 
-def run_engine(
-    model, prompts, lengths, batch: int, sampled: bool, bucket_step: int, streams: int, args, device
-) -> dict:
+def run_engine(model, prompts, lengths, batch: int, sampled: bool, bucket_step: int, args, device) -> dict:
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
@@ -245,7 +242,6 @@ def run_engine(
         page_size=args.page_size,
         cuda_graphs=graphs,
         graph_bucket_step=bucket_step,
-        decode_streams=streams,
     )
     t = time.perf_counter()
     engine = GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings)
@@ -271,7 +267,6 @@ def run_engine(
         "contender": "engine",
         "batch": batch,
         "bucket_step": bucket_step,
-        "decode_streams": streams,
         "sampling": "sampled" if sampled else "greedy",
         "requests": len(requests),
         "drawn_tokens": sum(lengths),
@@ -715,13 +710,6 @@ def parse_args(argv=None):
         help="engine graph_bucket_step, repeatable: one engine run per value [default: the engine's]",
     )
     ap.add_argument(
-        "--decode-streams",
-        type=int,
-        action="append",
-        default=None,
-        help="engine decode_streams (1, or 2: half-batches on two streams), repeatable: one engine run per value",
-    )
-    ap.add_argument(
         "--warmup-requests", type=int, default=256, help="requests in each warm-up call (8 new tokens each)"
     )
     ap.add_argument(
@@ -809,7 +797,6 @@ def parse_args(argv=None):
     from dflash_pipeline.shared.generation.engine import EngineSettings
 
     args.bucket_step = args.bucket_step or [EngineSettings.graph_bucket_step]
-    args.decode_streams = args.decode_streams or [EngineSettings.decode_streams]
     args.baseline_batch = [] if args.skip_baseline else (args.baseline_batch or [32, 256])
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error("need 1 <= --min-prompt <= --max-prompt")
@@ -955,19 +942,21 @@ def main(argv=None) -> dict:
                 f"{r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms ({r['speedup']:.2f}x)"
             ),
         )
-    for batch, step, streams, sampled in itertools.product(
-        args.batch, args.bucket_step, args.decode_streams, [False, True] if args.sampled else [False]
-    ):
-        name = f"engine batch {batch} bucket step {step} streams {streams}"
-        row = attempt(
-            name + (" sampled" if sampled else ""),
-            lambda batch=batch, step=step, streams=streams, sampled=sampled: run_engine(
-                model, prompts, lengths, batch, sampled, step, streams, args, device
-            ),
-        )
-        if row:
-            print(f"{name} {row['sampling']}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
-            result["engine"].append(row)
+    for batch in args.batch:
+        for step in args.bucket_step:
+            for sampled in [False, True] if args.sampled else [False]:
+                row = attempt(
+                    f"engine batch {batch} bucket step {step}{' sampled' if sampled else ''}",
+                    lambda batch=batch, step=step, sampled=sampled: run_engine(
+                        model, prompts, lengths, batch, sampled, step, args, device
+                    ),
+                )
+                if row:
+                    print(
+                        f"engine batch {batch} bucket step {step} {row['sampling']}: {row['tokens_per_s']:,.0f} tok/s",
+                        flush=True,
+                    )
+                    result["engine"].append(row)
     for batch in args.baseline_batch:
         n = min(len(prompts), args.baseline_requests or max(64, batch))
         row = attempt(

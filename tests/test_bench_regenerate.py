@@ -38,10 +38,6 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
             "20",
             "--overlap-rows",
             "6",
-            "--decode-streams",
-            "1",
-            "--decode-streams",
-            "2",
             "--json",
             str(out),
         ]
@@ -64,12 +60,7 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
     assert result["kv_bytes_per_token"] == 2 * 4 * 2 * 16 * 4
     assert result["weight_bytes_read_per_step"] < result["weight_bytes"]  # untied: the embedding table is left out
 
-    assert [(r["decode_streams"], r["sampling"]) for r in result["engine"]] == [
-        (1, "greedy"),
-        (1, "sampled"),
-        (2, "greedy"),
-        (2, "sampled"),
-    ]
+    assert [(r["batch"], r["sampling"]) for r in result["engine"]] == [(4, "greedy"), (4, "sampled")]
     for row in result["engine"]:
         assert row["generated_tokens"] == row["stats"]["generated_tokens"] == row["useful_tokens"] == drawn
         assert row["length_mismatches"] == 0 and row["finished_by_stop"] == 0

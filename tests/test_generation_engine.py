@@ -45,14 +45,12 @@ def hf_greedy(model, request: Request, stops: list[int]) -> list[int]:
 GREEDY = SamplingParams()
 
 
-def engine(model, max_batch: int, sampling: SamplingParams = GREEDY, stops=(), page_size: int = 4, streams: int = 1):
+def engine(model, max_batch: int, sampling: SamplingParams = GREEDY, stops=(), page_size: int = 4):
     return GenerationEngine(
         model,
         stop_ids=stops,
         sampling=sampling,
-        settings=EngineSettings(
-            max_batch=max_batch, max_request_tokens=80, page_size=page_size, decode_streams=streams
-        ),
+        settings=EngineSettings(max_batch=max_batch, max_request_tokens=80, page_size=page_size),
     )
 
 
@@ -79,15 +77,6 @@ def test_sampled_replies_depend_on_the_request_alone(model):
     assert [r.tokens for r in reordered][::-1] == batched
     rekeyed = [Request(r.prompt, r.max_new_tokens, key=r.key + 1) for r in requests]
     assert [r.tokens for r in engine(model, 4, sampling).generate(rekeyed)] != batched
-
-
-def test_decode_in_two_halves_gives_the_same_replies(model):
-    """decode_streams=2 splits every step's rows in two (on CUDA onto two streams): an odd batch of
-    5 rows as 2 + 3, then fewer as requests finish, down to 1 row (not split)."""
-    requests = workload(12, seed=2)
-    for sampling in (GREEDY, SamplingParams(temperature=1.0, top_p=0.9)):
-        whole = [r.tokens for r in engine(model, 5, sampling).generate(requests)]
-        assert [r.tokens for r in engine(model, 5, sampling, streams=2).generate(requests)] == whole
 
 
 def test_uniforms_are_a_pure_function_of_key_and_step():

@@ -46,13 +46,10 @@ class EngineSettings:
     num_pages: int | None = None  # KV-cache pages; None: what fits (CUDA) or max_batch full requests (CPU)
     admit_fraction: float = 1 / 32  # prefill once this share of the rows is free (fewer, larger prefills)
     graph_bucket_step: int = 64  # CUDA graphs for every multiple of this many rows (see graph_buckets)
-    decode_streams: int = 1  # 2: each decode step as two half-batches on two CUDA streams (see _decode_rows)
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.page_size, self.prefill_tokens, self.graph_bucket_step) < 1:
             raise ValueError("EngineSettings: max_batch, page_size, prefill_tokens, graph_bucket_step must be >= 1")
-        if self.decode_streams not in (1, 2):
-            raise ValueError("EngineSettings: decode_streams must be 1 or 2")
         if self.max_request_tokens < 2:
             raise ValueError("EngineSettings: max_request_tokens must be >= 2")
 
@@ -142,7 +139,6 @@ class GenerationEngine:
             raise GenerationError("cuda_graphs needs a CUDA device")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._rows_in_graph: dict[int, list[int]] = {}
-        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stats = {
             "decode_steps": 0,
             "decode_rows": 0,
@@ -294,35 +290,14 @@ class GenerationEngine:
     # ---------------------------------------------------------------- decode
 
     def _decode_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The decode step over slot ids `rows` (capturable): next token of each row, slot state advanced.
-
-        With `decode_streams=2` the rows run as two halves, the second on a side stream: a layer's
-        matmuls are compute-bound and its paged attention memory-bound, so one half's attention can
-        run beside the other half's matmuls. Rows are independent, so the tokens are the same either
-        way. Off CUDA the halves run one after the other."""
-        half = len(rows) // 2
-        if self.settings.decode_streams == 1 or half == 0:
-            nxt = self._decode_slice(rows)
-        elif self.device.type != "cuda":
-            nxt = torch.cat([self._decode_slice(rows[:half]), self._decode_slice(rows[half:])])
-        else:
-            main = torch.cuda.current_stream(self.device)
-            self._side_stream.wait_stream(main)
-            first = self._decode_slice(rows[:half])
-            with torch.cuda.stream(self._side_stream):
-                second = self._decode_slice(rows[half:])
-            main.wait_stream(self._side_stream)
-            nxt = torch.cat([first, second])
-        self.slot_position[self.scratch_slot :].zero_()  # padding rows never move the scratch slot
-        return nxt
-
-    def _decode_slice(self, rows: torch.Tensor) -> torch.Tensor:
+        """The decode step over slot ids `rows` (capturable): next token of each row, slot state advanced."""
         positions = self.slot_position[rows]
         logits = self.decoder.decode(self.slot_token[rows], positions, self.block_table[rows])
         steps = positions - self.slot_prompt_length[rows] + 1  # index of the new token in the reply
         nxt = choose_tokens(logits, self.slot_key[rows], steps, self.sampling)
         self.slot_token[rows] = nxt
         self.slot_position[rows] = positions + 1
+        self.slot_position[self.scratch_slot :].zero_()  # padding rows never move the scratch slot
         return nxt
 
     def _decode(self) -> list[tuple[Hashable, Reply]]:

@@ -32,14 +32,9 @@ def workload(n: int) -> list[Request]:
     ]
 
 
-def run(model, requests, sampling, graphs, max_batch=16, bucket_step=64, streams=1):
+def run(model, requests, sampling, graphs, max_batch=16, bucket_step=64):
     settings = EngineSettings(
-        max_batch=max_batch,
-        max_request_tokens=320,
-        page_size=16,
-        cuda_graphs=graphs,
-        graph_bucket_step=bucket_step,
-        decode_streams=streams,
+        max_batch=max_batch, max_request_tokens=320, page_size=16, cuda_graphs=graphs, graph_bucket_step=bucket_step
     )
     return [
         r.tokens for r in GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings).generate(requests)
@@ -107,13 +102,3 @@ def test_graphs_of_every_bucket_size_decode_like_eager(model):
     for sampling in (SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)):
         graphed = run(model, requests, sampling, True, max_batch=48, bucket_step=8)
         assert graphed == run(model, requests, sampling, False, max_batch=48)
-
-
-def test_two_stream_decode_equals_one_stream(model):
-    """decode_streams=2: each graph holds the step as two half-batches on two streams, which the GPU
-    may run side by side; the replies (greedy and sampled, float32) equal the one-stream engine's."""
-    requests = workload(48)
-    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)):
-        one = run(model, requests, sampling, True, max_batch=48, bucket_step=8)
-        assert run(model, requests, sampling, True, max_batch=48, bucket_step=8, streams=2) == one
-        assert run(model, requests, sampling, False, max_batch=48, streams=2) == one
