@@ -325,6 +325,7 @@ def main() -> None:
             dtype: {
                 "final_loss": next(r["loss"] for r in reversed(metrics(run)) if "loss" in r),
                 "offline_tau": [r["tau"] for r in metrics(run) if r.get("type") == "eval"],
+                "offline_tau_decode": [r.get("tau_decode") for r in metrics(run) if r.get("type") == "eval"],
                 "hidden_bytes_per_token": hidden_bytes_per_token(store),
             }
             for dtype, (store, run) in runs.items()

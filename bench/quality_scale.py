@@ -434,7 +434,8 @@ def run_summary(run: Path) -> dict:
                 "step": r["step"],
                 "train_tokens": r["step"] * tokens_per_step,
                 "offline_tau": r["tau"],
-                **{key: r[key] for key in ("ce_loss", "selector_loss") if key in r},  # DFlash-2's held-out terms
+                # the same held-out replies along the chain greedy decoding takes (train.decode_tau)
+                **{key: r[key] for key in ("tau_decode", "ce_loss", "selector_loss") if key in r},
             }
             for r in records
             if r.get("type") == "eval"

@@ -146,6 +146,8 @@ def test_train_uses_the_named_store(scale_run: SimpleNamespace) -> None:
     config = json.loads((scale_run.out / "on_fp8" / "train_config.json").read_text())
     assert (config["store"], config["num_blocks"]) == (str(scale_run.out / "fp8"), 8)
     assert json.loads((scale_run.out / "on_bf16" / "train_config.json").read_text())["num_blocks"] == 256
+    for run in runs.values():  # the learning curve carries both held-out acceptances
+        assert run["curve"] and all(point["tau_decode"] >= 1 and point["offline_tau"] >= 1 for point in run["curve"])
 
 
 def test_regenerate_passes_the_generation_batch_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -241,6 +241,48 @@ def test_online_drafts_equal_the_training_path_on_the_same_sequence(target, tiny
         torch.testing.assert_close(logits, offline[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"block {k}: {m}")
 
 
+def test_the_trainers_decoding_chain_takes_the_steps_decoding_took(target, tiny_tokenizer):
+    """`tau_decode`'s chain (train.decode_tau) over blocks at every anchor of the final sequence takes
+    as many steps and tokens as greedy speculative decoding did: it starts from the first reply token
+    and ends at the reply's last one, as decoding does."""
+    from dflash_pipeline.shared.model.blocks import anchor_candidates, build_blocks
+    from dflash_pipeline.shared.model.loss import acceptance_length
+    from dflash_pipeline.shared.model.target_head import TargetHead
+    from dflash_pipeline.train.decode_tau import decode_chain
+    from dflash_pipeline.train.step import drafter_hidden
+
+    drafter = random_drafter(target, seed=3)
+    drafter.attention_backend = "sdpa_dense"
+    prompt = prompts(tiny_tokenizer, 1)[0]
+    capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
+    try:
+        gen = dflash_generate(target, drafter, capture, prompt, 48, set())
+        sequence = torch.cat([prompt, torch.tensor(gen.tokens)])
+        with torch.inference_mode():
+            target(input_ids=sequence[None])
+        features = torch.cat(capture.take(), dim=-1)[0]
+    finally:
+        capture.close()
+    S, doc = len(sequence), torch.zeros(len(sequence), dtype=torch.long)
+    reply = torch.arange(S) >= len(prompt)
+    anchors = anchor_candidates(reply, doc)
+    blocks = build_blocks(sequence, doc, torch.arange(S), reply, anchors, len(anchors), B, drafter.config.mask_token_id)
+    batch = {"context_hidden": features, "context_doc": doc, "context_positions": torch.arange(S), **blocks}
+    lm_head = target.get_output_embeddings().weight
+    with torch.no_grad():
+        hidden = drafter_hidden(
+            drafter, TargetHead(target.get_input_embeddings().weight, lm_head), {k: v[None] for k, v in batch.items()}
+        )
+        pred = drafter.compute_logits(hidden.float(), lm_head).argmax(-1).reshape(len(anchors), B)
+    lengths = torch.zeros(S, dtype=torch.long)
+    lengths[anchors] = acceptance_length(pred, blocks["labels"].reshape(len(anchors), B))
+    tokens, steps = decode_chain(lengths, reply, doc)
+    assert steps == len(gen.accepted) > 5
+    # the last block may find every remaining draft right: decoding stops at its token limit there,
+    # the chain counts the bonus token a longer reply would have had
+    assert 0 <= tokens - sum(gen.accepted) <= 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("train_dtype", ["float32", "bfloat16"])

@@ -189,6 +189,72 @@ def build_batch(
     return out
 
 
+@dataclass
+class PackContext:
+    """One pack's context as read from the store: samples concatenated into `pack_tokens` positions
+    (doc -1 past the last one); `spans` holds (sample id, first position, tokens) per sample. The
+    hidden states (and an fp8 store's scales) went into the caller's buffers."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    doc: torch.Tensor
+    pos: torch.Tensor
+    spans: list[tuple[int, int, int]]
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+
+    def blocks(self, anchors: torch.Tensor, spec: PackSpec) -> dict[str, torch.Tensor]:
+        """The pack's tensors for these anchors (at most `spec.num_blocks`), as a batch holds them."""
+        blocks = build_blocks(
+            self.ids, self.doc, self.pos, self.mask, anchors, spec.num_blocks, spec.block_size, spec.mask_token_id
+        )
+        if spec.topk:
+            blocks.update(block_topk(blocks, self.topk_ids, self.topk_logprobs, spec.block_size))
+        return {"context_doc": self.doc, "context_positions": self.pos, **blocks}
+
+
+def read_pack_context(
+    store: FeatureStore,
+    sample_ids: list[int],
+    spec: PackSpec,
+    hidden: torch.Tensor,
+    scales: torch.Tensor | None = None,
+) -> PackContext:
+    """Concatenate samples into one context of `pack_tokens` (their hidden states go into `hidden`,
+    [S, W], an fp8 store's scales into `scales`, [S, layers], zero past the last sample)."""
+    S = spec.pack_tokens
+    ctx = PackContext(
+        ids=torch.zeros(S, dtype=torch.long),
+        mask=torch.zeros(S, dtype=torch.bool),
+        doc=torch.full((S,), -1, dtype=torch.long),
+        pos=torch.zeros(S, dtype=torch.long),
+        spans=[],
+    )
+    if spec.topk:
+        ctx.topk_ids = torch.zeros((S, spec.topk), dtype=torch.int32)
+        ctx.topk_logprobs = torch.zeros((S, spec.topk), dtype=torch.float32)
+    start = 0
+    for d, sid in enumerate(sample_ids):
+        shard, first, stop, _ = store.sample_span(sid)
+        n = min(stop - first, S - start)
+        if n <= 0:
+            break
+        sl = slice(start, start + n)
+        ctx.ids[sl], ctx.mask[sl], _ = store.read_tokens(shard, first, first + n, hidden_out=hidden[sl])
+        if scales is not None:
+            store.read_scales(shard, first, first + n, out=scales[sl])
+        if spec.topk:
+            store.read_topk(shard, first, first + n, ids_out=ctx.topk_ids[sl], logprobs_out=ctx.topk_logprobs[sl])
+        ctx.doc[sl] = d
+        ctx.pos[sl] = torch.arange(n)
+        ctx.spans.append((sid, start, n))
+        start += n
+    hidden[start:] = 0
+    if scales is not None:
+        scales[start:] = 0
+    return ctx
+
+
 def build_pack(
     store: FeatureStore,
     sample_ids: list[int],
@@ -198,47 +264,24 @@ def build_pack(
     hidden: torch.Tensor,
     scales: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Concatenate samples into one context of `pack_tokens` (their hidden states go into `hidden`,
-    [S, W], an fp8 store's scales into `scales`, [S, layers], zero past the last sample), draw
-    anchors per sample, build blocks."""
-    S = spec.pack_tokens
-    ids = torch.zeros(S, dtype=torch.long)
-    mask = torch.zeros(S, dtype=torch.bool)
-    doc = torch.full((S,), -1, dtype=torch.long)
-    pos = torch.zeros(S, dtype=torch.long)
-    if spec.topk:
-        topk_ids = torch.zeros((S, spec.topk), dtype=torch.int32)
-        topk_logprobs = torch.zeros((S, spec.topk), dtype=torch.float32)
+    """`read_pack_context`, then the blocks of `draw_anchors`."""
+    ctx = read_pack_context(store, sample_ids, spec, hidden, scales)
+    return ctx.blocks(draw_anchors(ctx, spec, seed, epoch), spec)
+
+
+def draw_anchors(ctx: PackContext, spec: PackSpec, seed: int, epoch: int) -> torch.Tensor:
+    """The pack's anchors: at most `max_anchors_per_sample` drawn per sample, then at most
+    `num_blocks` of them, seeded by (seed, epoch, sample id)."""
     anchors = []
-    start = 0
-    for d, sid in enumerate(sample_ids):
-        shard, first, stop, _ = store.sample_span(sid)
-        n = min(stop - first, S - start)
-        if n <= 0:
-            break
-        sl = slice(start, start + n)
-        ids[sl], mask[sl], _ = store.read_tokens(shard, first, first + n, hidden_out=hidden[sl])
-        if scales is not None:
-            store.read_scales(shard, first, first + n, out=scales[sl])
-        if spec.topk:
-            store.read_topk(shard, first, first + n, ids_out=topk_ids[sl], logprobs_out=topk_logprobs[sl])
-        doc[sl] = d
-        pos[sl] = torch.arange(n)
+    for sid, start, n in ctx.spans:
         gen = torch.Generator().manual_seed(hash_seed(seed, epoch, sid))
-        anchors.append(sample_anchors(mask[sl], spec.max_anchors_per_sample, gen) + start)
-        start += n
-    hidden[start:] = 0
-    if scales is not None:
-        scales[start:] = 0
+        anchors.append(sample_anchors(ctx.mask[start : start + n], spec.max_anchors_per_sample, gen) + start)
     anchors_all = torch.cat(anchors) if anchors else torch.zeros(0, dtype=torch.long)
     if len(anchors_all) > spec.num_blocks:
-        gen = torch.Generator().manual_seed(hash_seed(seed, epoch, -1 - sample_ids[0]))
+        gen = torch.Generator().manual_seed(hash_seed(seed, epoch, -1 - ctx.spans[0][0]))
         keep = torch.randperm(len(anchors_all), generator=gen)[: spec.num_blocks]
         anchors_all = anchors_all[keep.sort().values]
-    blocks = build_blocks(ids, doc, pos, mask, anchors_all, spec.num_blocks, spec.block_size, spec.mask_token_id)
-    if spec.topk:
-        blocks.update(block_topk(blocks, topk_ids, topk_logprobs, spec.block_size))
-    return {"context_doc": doc, "context_positions": pos, **blocks}
+    return anchors_all
 
 
 def block_topk(

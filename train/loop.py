@@ -36,7 +36,16 @@ from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.shared.target.identity import TargetIdentity
 from dflash_pipeline.train import checkpoint as ckpt
 from dflash_pipeline.train.config import TrainConfig
-from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, build_batch
+from dflash_pipeline.train.dataset import (
+    PackContext,
+    PackSpec,
+    StepDataset,
+    StepPlan,
+    batch_layout,
+    draw_anchors,
+    read_pack_context,
+)
+from dflash_pipeline.train.decode_tau import decode_chain, every_anchor
 from dflash_pipeline.train.feed import device_batches
 from dflash_pipeline.train.holdout import prompt_groups
 from dflash_pipeline.train.metrics import MetricsLog, Throughput
@@ -381,25 +390,63 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """The held-out packs of all ranks, the drafter in eval mode: the mean offline acceptance length
-        (`tau`) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as weighted means."""
+        over the drawn anchors (`tau`), the acceptance greedy decoding would see (`tau_decode`, every
+        anchor; see `train.decode_tau`) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as
+        weighted means."""
         self.model.eval()
         total, count, weight, terms = 0.0, 0, 0.0, {}
+        chain_tokens = chain_steps = 0
         for pack in self.eval_packs:
-            batch = to_device(build_batch(self.store, [pack], self.spec, self.cfg.seed, EVAL_EPOCH), self.device)
-            with self.autocast():
-                _, pack_weight, stats = pack_loss(
-                    self.model, self.head, batch, self.gamma, self.cfg.selector_loss_weight, self.kl_weight
-                )
+            ctx, blocks_batch = self.eval_context(pack)
+            batch, pack_weight, stats = blocks_batch(draw_anchors(ctx, self.spec, self.cfg.seed, EVAL_EPOCH))
             accepted = block_acceptance(batch, stats["pred"], self.spec.block_size)
             total += float(accepted.sum())
             count += accepted.numel()
             weight += float(pack_weight)
             for key, value in loss_term_sums(stats).items():
                 terms[key] = terms.get(key, 0.0) + value
-        total, count, weight, *sums = all_sum([total, float(count), weight, *terms.values()], self.device)
+            lengths = torch.zeros(self.spec.pack_tokens, dtype=torch.long)
+            for anchors in every_anchor(ctx.mask, ctx.doc, self.spec.num_blocks):
+                batch, _, stats = blocks_batch(anchors)
+                lengths[anchors] = block_acceptance(batch, stats["pred"], self.spec.block_size).long().cpu()
+            tokens, steps = decode_chain(lengths, ctx.mask, ctx.doc)
+            chain_tokens += tokens
+            chain_steps += steps
+        total, count, weight, chain_tokens, chain_steps, *sums = all_sum(
+            [total, float(count), weight, float(chain_tokens), float(chain_steps), *terms.values()], self.device
+        )
         self.model.train()
-        tau = total / count if count else float("nan")
-        return {"tau": tau, **{key: value / max(weight, 1e-12) for key, value in zip(terms, sums)}}
+        return {
+            "tau": total / count if count else float("nan"),
+            "tau_decode": chain_tokens / chain_steps if chain_steps else float("nan"),
+            **{key: value / max(weight, 1e-12) for key, value in zip(terms, sums)},
+        }
+
+    def eval_context(self, pack: list[int]) -> tuple[PackContext, Callable]:
+        """A held-out pack's context read once (its states on the device) and a function from anchors
+        to (batch, weight, stats) of `pack_loss` on their blocks."""
+        layout = batch_layout(self.spec, 1, self.store.hidden_width, self.store.hidden_dtype, self.store.scale_groups)
+        states = {
+            key: torch.empty(shape, dtype=dtype)
+            for key, (shape, dtype) in layout.items()
+            if key in ("context_hidden", "context_scales")
+        }
+        scales = states["context_scales"][0] if "context_scales" in states else None
+        ctx = read_pack_context(self.store, pack, self.spec, states["context_hidden"][0], scales)
+        on_device = to_device(states, self.device)
+
+        def blocks_batch(anchors: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict]:
+            batch = {
+                **on_device,
+                **to_device({k: v[None] for k, v in ctx.blocks(anchors, self.spec).items()}, self.device),
+            }
+            with self.autocast():
+                _, pack_weight, stats = pack_loss(
+                    self.model, self.head, batch, self.gamma, self.cfg.selector_loss_weight, self.kl_weight
+                )
+            return batch, pack_weight, stats
+
+        return ctx, blocks_batch
 
     @cached_property
     def target_identity(self) -> TargetIdentity:
