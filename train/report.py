@@ -54,9 +54,13 @@ def draw(run: Path, png: Path) -> Path:
         ax_loss.legend()
     ax_loss.set(xlabel="step", ylabel="weighted loss", title="training loss")
     ax_loss.grid(alpha=0.3)
-    if evals:
-        ax_tau.plot([r["step"] for r in evals], [r["tau"] for r in evals], marker="o")
-    ax_tau.set(xlabel="step", ylabel="accepted tokens per block", title="held-out offline acceptance (tau)")
+    for key, label in (("tau", "drawn anchors (tau)"), ("tau_decode", "decoding chain (tau_decode)")):
+        points = [(r["step"], r[key]) for r in evals if key in r]
+        if points:
+            ax_tau.plot(*zip(*points), marker="o", label=label)
+    if any("tau_decode" in r for r in evals):
+        ax_tau.legend()
+    ax_tau.set(xlabel="step", ylabel="accepted tokens per block", title="held-out offline acceptance")
     ax_tau.grid(alpha=0.3)
     fig.suptitle(str(run))
     fig.tight_layout()
