@@ -124,7 +124,8 @@ def main(out: str, steps: int) -> None:
     fs = FeatureStore(store)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
     losses = [r["loss"] for r in records if "loss" in r]
-    taus = [r["tau"] for r in records if r.get("type") == "eval"]
+    held_out = [r for r in records if r.get("type") == "eval"]
+    taus = [r["tau"] for r in held_out]
     size = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
     click.echo(
         "\n".join(
@@ -138,7 +139,8 @@ def main(out: str, steps: int) -> None:
                 f"loss         {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps"
                 if losses
                 else "loss         n/a",
-                f"offline tau  {taus[0]:.3f} -> {taus[-1]:.3f} (accepted tokens per block, held-out)"
+                f"offline tau  {taus[0]:.3f} -> {taus[-1]:.3f} (accepted tokens per block, held-out; along the "
+                f"decoding chain {held_out[-1]['tau_decode']:.3f})"
                 if taus
                 else "offline tau  n/a",
                 f"dflash-eval  tau {spec['tau']:.2f} (the reference's: mean of per-prompt means; pooled "
