@@ -272,6 +272,7 @@ def train(args) -> None:
     mask = mask_token_id(store / "target" / "tokenizer")
     cmd += ["--mask-token-id", str(mask)] if mask is not None else []
     cmd += ["--loss", args.loss] + (["--kl-weight", str(args.kl_weight)] if args.loss == "mix" else [])
+    cmd += [] if args.eval_decode else ["--no-eval-decode"]
     timed(args.out / "seconds.json", f"train {args.name}", lambda: run_step(f"train {args.name}", cmd))
 
 
@@ -531,6 +532,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--num-blocks", type=int, default=256, help="draft blocks per step (dflash-train --num-blocks)")
     t.add_argument("--eval-samples", type=int, default=64, help="held-out store samples of the offline tau")
+    t.add_argument(
+        "--no-eval-decode",
+        dest="eval_decode",
+        action="store_false",
+        help="dflash-train --no-eval-decode: the drawn-anchor tau alone (CPU runs: the chain costs minutes)",
+    )
     t.add_argument("--loss", choices=["ce", "kl", "mix"], default="ce", help="dflash-train --loss (kl: a top-K store)")
     t.add_argument("--kl-weight", type=float, default=0.5, help="--loss mix: the KL term's weight")
     e = sub.choices["evaluate"]

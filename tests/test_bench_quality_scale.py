@@ -68,7 +68,7 @@ def scale_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -
             "regenerate", *regen, "--store", "fp8", "--store-dtype", "float8_e4m3fn", "--replies-from", "store"
         ),
     }
-    run_ok("train", *train, "--name", "on_fp8", "--store", "fp8", "--num-blocks", "8")
+    run_ok("train", *train, "--name", "on_fp8", "--store", "fp8", "--num-blocks", "8", "--no-eval-decode")
     run_ok("train", *train, "--name", "on_bf16")
     evaluate = [*where, "--target", str(tiny_target_dir), "--limit", "2", "--max-new-tokens", "8"]
     logs["evaluate"] = run_ok("evaluate", *evaluate, "--temperature", "0", "--parallel", "2")
@@ -146,8 +146,15 @@ def test_train_uses_the_named_store(scale_run: SimpleNamespace) -> None:
     config = json.loads((scale_run.out / "on_fp8" / "train_config.json").read_text())
     assert (config["store"], config["num_blocks"]) == (str(scale_run.out / "fp8"), 8)
     assert json.loads((scale_run.out / "on_bf16" / "train_config.json").read_text())["num_blocks"] == 256
-    for run in runs.values():  # the learning curve carries both held-out acceptances
-        assert run["curve"] and all(point["tau_decode"] >= 1 and point["offline_tau"] >= 1 for point in run["curve"])
+    assert (
+        config["eval_decode"],
+        json.loads((scale_run.out / "on_bf16" / "train_config.json").read_text())["eval_decode"],
+    ) == (False, True)
+    # the learning curve carries both held-out acceptances, or the drawn-anchor one alone
+    assert runs["on_bf16"]["curve"] and all(
+        p["tau_decode"] >= 1 and p["offline_tau"] >= 1 for p in runs["on_bf16"]["curve"]
+    )
+    assert runs["on_fp8"]["curve"] and all("tau_decode" not in p for p in runs["on_fp8"]["curve"])
 
 
 def test_regenerate_passes_the_generation_batch_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -324,6 +324,12 @@ def test_training_reduces_loss_and_reports_acceptance(store_dir, tmp_path):
     assert list(first) == ["step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "acc"]
 
 
+def test_no_eval_decode_logs_the_drawn_anchor_tau_alone(store_dir, tmp_path):
+    run_training(replace(base_config(store_dir, tmp_path / "run"), max_steps=2, eval_every=2, eval_decode=False))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [list(r) for r in rows if r.get("type") == "eval"] == [["step", "type", "tau"]]
+
+
 def test_refuses_incomplete_store(store_dir, tmp_path):
     import shutil
 

@@ -30,6 +30,12 @@ class TrainConfig:
     max_anchors_per_sample: int = option(512, range=(1, None))
     packs_per_step: int = option(1, range=(1, None), help="Packs per GPU per optimizer step.")
     eval_samples: int = option(64, range=(0, None), help="Held-out samples for offline acceptance.")
+    eval_decode: bool = option(
+        True,
+        flag="--eval-decode/--no-eval-decode",
+        help="Also log tau_decode: a block at every anchor of the held-out replies, walked along the chain "
+        "greedy decoding takes (~30x the evaluation's drafter forwards; minutes per evaluation on a CPU).",
+    )
     loader_workers: int | None = option(  # None: `resolved_loader_workers`
         None,
         range=(0, None),

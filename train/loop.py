@@ -390,9 +390,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """The held-out packs of all ranks, the drafter in eval mode: the mean offline acceptance length
-        over the drawn anchors (`tau`), the acceptance greedy decoding would see (`tau_decode`, every
-        anchor; see `train.decode_tau`) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as
-        weighted means."""
+        over the drawn anchors (`tau`), the acceptance greedy decoding would see (`tau_decode`, unless
+        --no-eval-decode) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as weighted means."""
         self.model.eval()
         total, count, weight, terms = 0.0, 0, 0.0, {}
         chain_tokens = chain_steps = 0
@@ -405,22 +404,29 @@ class Trainer:
             weight += float(pack_weight)
             for key, value in loss_term_sums(stats).items():
                 terms[key] = terms.get(key, 0.0) + value
-            lengths = torch.zeros(self.spec.pack_tokens, dtype=torch.long)
-            for anchors in every_anchor(ctx.mask, ctx.doc, self.spec.num_blocks):
-                batch, _, stats = blocks_batch(anchors)
-                lengths[anchors] = block_acceptance(batch, stats["pred"], self.spec.block_size).long().cpu()
-            tokens, steps = decode_chain(lengths, ctx.mask, ctx.doc)
-            chain_tokens += tokens
-            chain_steps += steps
+            if self.cfg.eval_decode:
+                tokens, steps = self.decode_chain_of(ctx, blocks_batch)
+                chain_tokens += tokens
+                chain_steps += steps
         total, count, weight, chain_tokens, chain_steps, *sums = all_sum(
             [total, float(count), weight, float(chain_tokens), float(chain_steps), *terms.values()], self.device
         )
         self.model.train()
+        decode = {"tau_decode": chain_tokens / chain_steps if chain_steps else float("nan")}
         return {
             "tau": total / count if count else float("nan"),
-            "tau_decode": chain_tokens / chain_steps if chain_steps else float("nan"),
+            **(decode if self.cfg.eval_decode else {}),
             **{key: value / max(weight, 1e-12) for key, value in zip(terms, sums)},
         }
+
+    def decode_chain_of(self, ctx: PackContext, blocks_batch: Callable) -> tuple[int, int]:
+        """(tokens, steps) of greedy decoding through the pack's held-out replies: a block at every
+        anchor, then the chain through their acceptance lengths (`train.decode_tau`)."""
+        lengths = torch.zeros(self.spec.pack_tokens, dtype=torch.long)
+        for anchors in every_anchor(ctx.mask, ctx.doc, self.spec.num_blocks):
+            batch, _, stats = blocks_batch(anchors)
+            lengths[anchors] = block_acceptance(batch, stats["pred"], self.spec.block_size).long().cpu()
+        return decode_chain(lengths, ctx.mask, ctx.doc)
 
     def eval_context(self, pack: list[int]) -> tuple[PackContext, Callable]:
         """A held-out pack's context read once (its states on the device) and a function from anchors
