@@ -21,6 +21,9 @@ def test_chains_follow_each_reply_and_never_cross_into_the_next():
     # 2 -> 4 (the reply's last token): 1 step; 6 -> 8, which starts doc 1's reply: 1 step, not more;
     # 8 -> 9 -> 11: 2 steps
     assert decode_chain(accepted, mask, doc) == (2 + 2 + 1 + 2, 4)
+    # 6 -> 7, doc 0's last token (no anchor: its next token is another document's), where the chain ends
+    accepted[6] = 1
+    assert decode_chain(accepted, mask, doc) == (2 + 1 + 1 + 2, 4)
     assert anchor_candidates(mask, doc).tolist() == [2, 3, 6, 8, 9, 10]  # every anchor the chains may need
 
 

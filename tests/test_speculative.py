@@ -167,6 +167,20 @@ def test_counts_stop_at_the_stop_token_like_the_reference(target, tiny_tokenizer
         assert sum(spec.accepted) == end
 
 
+def decode_and_extract(target, drafter, prompt: torch.Tensor) -> tuple[Generation, torch.Tensor, torch.Tensor]:
+    """Greedy speculative decoding of 48 tokens, then (the generation, prompt + its tokens, the
+    features extraction would store for that sequence [S, layers x H])."""
+    capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
+    try:
+        gen = dflash_generate(target, drafter, capture, prompt, 48, set())
+        sequence = torch.cat([prompt, torch.tensor(gen.tokens, device=prompt.device)])
+        with torch.inference_mode():
+            target(input_ids=sequence[None])
+        return gen, sequence, torch.cat(capture.take(), dim=-1)[0]
+    finally:
+        capture.close()
+
+
 @torch.no_grad()
 def online_and_training_logits(target, drafter, prompt: torch.Tensor, backend: str, autocast, monkeypatch):
     """(logits of every block drafted online, [blocks, B-1, V] logits of the training path for the same
@@ -185,15 +199,7 @@ def online_and_training_logits(target, drafter, prompt: torch.Tensor, backend: s
         return logits
 
     monkeypatch.setattr(drafter, "compute_logits", recording)
-    capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
-    try:
-        gen = dflash_generate(target, drafter, capture, prompt, 48, set())
-        sequence = torch.cat([prompt, torch.tensor(gen.tokens, device=prompt.device)])
-        with torch.inference_mode():
-            target(input_ids=sequence[None])
-        features = torch.cat(capture.take(), dim=-1)[0]  # what extraction stores for this sequence
-    finally:
-        capture.close()
+    gen, sequence, features = decode_and_extract(target, drafter, prompt)
     anchors = len(prompt) + torch.tensor([0] + gen.accepted[:-1]).cumsum(0)  # each block's first token
     assert len(online) == len(anchors) > 5
     S, dev = len(sequence), prompt.device
@@ -254,15 +260,7 @@ def test_the_trainers_decoding_chain_takes_the_steps_decoding_took(target, tiny_
     drafter = random_drafter(target, seed=3)
     drafter.attention_backend = "sdpa_dense"
     prompt = prompts(tiny_tokenizer, 1)[0]
-    capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
-    try:
-        gen = dflash_generate(target, drafter, capture, prompt, 48, set())
-        sequence = torch.cat([prompt, torch.tensor(gen.tokens)])
-        with torch.inference_mode():
-            target(input_ids=sequence[None])
-        features = torch.cat(capture.take(), dim=-1)[0]
-    finally:
-        capture.close()
+    gen, sequence, features = decode_and_extract(target, drafter, prompt)
     S, doc = len(sequence), torch.zeros(len(sequence), dtype=torch.long)
     reply = torch.arange(S) >= len(prompt)
     anchors = anchor_candidates(reply, doc)

@@ -3,11 +3,11 @@
 The trainer's `tau` is the mean acceptance length over anchors drawn uniformly from the reply
 positions. Decoding draws no anchors: after a block yields `a` tokens the next block opens `a`
 positions on, so a long accepted run is one step and a stretch of rejections is one step per token.
-Its tau (tokens per step along that chain) is close to the harmonic mean of the acceptance lengths,
-not their mean, and lower wherever they vary: lengths of 1 at 90% of the positions and 3.7 at 10%
-average 1.27 over anchors but give ~1.08 per decoding step. Here every position of each held-out
-reply is an anchor, and the chain a decoder would take is walked through their acceptance lengths,
-so the number compares with `dflash-eval`'s greedy tau on the same kind of text.
+Where the lengths vary the two differ, in either direction: a stretch the drafter knows counts once per
+position in the mean (10, 9, ..., 1) but is a single decoding step, and a jump skips the positions it
+covers. Here every position of each held-out reply is an anchor, and the chain a decoder would take
+is walked through their acceptance lengths, so the number compares with `dflash-eval`'s greedy tau
+on the same kind of text.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ def decode_chain(accepted: torch.Tensor, mask: torch.Tensor, doc: torch.Tensor) 
     run of loss-masked positions of one document; decoding starts at its first token (the one the
     prefill produced) and opens blocks until the anchor reaches the reply's last token."""
     in_reply = mask.bool()
-    new_doc = torch.ones(len(doc), dtype=torch.bool)
-    new_doc[1:] = doc[1:] != doc[:-1]
-    starts = in_reply & (new_doc | ~torch.cat([torch.zeros(1, dtype=torch.bool), in_reply[:-1]]))
-    ends = in_reply & (new_doc.roll(-1) | ~torch.cat([in_reply[1:], torch.zeros(1, dtype=torch.bool)]))
-    ends[-1] = bool(in_reply[-1])
+    # boundary[i]: a new run of positions begins at i (the document or the loss mask changes there)
+    boundary = torch.ones(len(mask) + 1, dtype=torch.bool)
+    boundary[1:-1] = (doc[1:] != doc[:-1]) | (in_reply[1:] != in_reply[:-1])
+    firsts = (boundary[:-1] & in_reply).nonzero().flatten().tolist()
+    lasts = (boundary[1:] & in_reply).nonzero().flatten().tolist()
     length = accepted.tolist()
     tokens = steps = 0
-    for first, last in zip(starts.nonzero().flatten().tolist(), ends.nonzero().flatten().tolist()):
+    for first, last in zip(firsts, lasts):
         p = first
         while p < last:  # the reply's last token opens no block: nothing is left to draft
             if length[p] < 1:
