@@ -13,6 +13,11 @@ its `max_new_tokens` and nothing stops it earlier (engine: no stop ids; HF: a lo
 the eos id before the drawn length and forces it there), so requests end unevenly, like chat replies,
 and every contender generates exactly the drawn tokens. Rates count those useful tokens per wall
 second (prefill included) after a short warm-up call.
+Multi-turn chat (`--turns N`, engine only): each of the `--requests` conversations asks N times; turn
+t's prompt is turn t-1's prompt, its reply and a new user turn (lengths in [8, 512], mean
+`--mean-user-turn`), as a chat template lays them out. `--reuse-prefixes on --reuse-prefixes off`
+runs the engine with each later turn computing only what its cached conversation lacks, and with
+every turn prefilling its whole conversation again, in one run.
 Physical bound, measured in the same run: device-to-device copy bandwidth (bytes read + written). A
 decode step at batch B reads the weights once (the input embedding table excluded: only B rows of it
 are gathered) and each row's KV cache: bound tok/s = B / ((weights + B * mean_context * kv_per_token)
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import statistics
@@ -169,13 +175,59 @@ def draw_lengths(rng: np.random.Generator, n: int, lo: int, hi: int, mean: float
     return lengths((a + b) / 2)
 
 
-def draw_workload(args, allowed: np.ndarray) -> tuple[list[list[int]], list[int]]:
+Conversation = list[tuple[list[int], int]]  # turns: (new prompt ids, reply length)
+
+
+def draw_workload(args, allowed: np.ndarray) -> list[Conversation]:
+    """`args.requests` conversations of `args.turns` turns: the first turn's ids are the prompt, a
+    later turn's the user's new message (see the module doc)."""
     rng = np.random.default_rng(args.seed)
-    n = args.requests
+    n, later = args.requests, args.requests * (args.turns - 1)
     prompt_lens = draw_lengths(rng, n, args.min_prompt, args.max_prompt, args.mean_prompt, 0.7)
-    reply_lens = draw_lengths(rng, n, 1, args.max_reply, args.mean_reply, 0.9)
-    prompts = [allowed[rng.integers(0, len(allowed), int(L))].tolist() for L in prompt_lens]
-    return prompts, reply_lens.tolist()
+    reply_lens = draw_lengths(rng, n * args.turns, 1, args.max_reply, args.mean_reply, 0.9)
+    user_lens = draw_lengths(rng, later, 8, 512, args.mean_user_turn, 0.9) if later else np.zeros(0, np.int64)
+    firsts = [allowed[rng.integers(0, len(allowed), int(L))].tolist() for L in prompt_lens]
+    users = [allowed[rng.integers(0, len(allowed), int(L))].tolist() for L in user_lens]
+    t = args.turns
+    return [
+        [(firsts[c] if k == 0 else users[c * (t - 1) + k - 1], int(reply_lens[c * t + k])) for k in range(t)]
+        for c in range(n)
+    ]
+
+
+def converse(engine, conversations: list[Conversation], keep: bool = True, rewrite: bool = False, seed: int = 0):
+    """The conversations through `engine` as chat runs them: turn t asks with turn t-1's prompt + its
+    reply + the turn's new ids (`rewrite`: only the first half of the reply, as templates that drop
+    parts of earlier replies do), each reply at most the turn's length; `keep`: every turn but the
+    last keeps its cache for the next. Returns the prompts asked and the replies, per conversation."""
+    from dflash_pipeline.shared.generation.engine import Request
+    from dflash_pipeline.shared.generation.sampling import request_key
+
+    asked: list[list[list[int]]] = [[] for _ in conversations]
+    replies: list[list] = [[] for _ in conversations]
+
+    def ask(c: int) -> None:
+        t = len(replies[c])
+        new, length = conversations[c][t]
+        reply = replies[c][-1].tokens if t else []
+        prompt = (asked[c][-1] if t else []) + (reply[: len(reply) // 2] if rewrite else reply) + new
+        asked[c].append(prompt)
+        last = t + 1 == len(conversations[c])
+        engine.add(c, Request(prompt, length, key=request_key(seed, c, t), keep_cache=keep and not last))
+
+    for c in range(len(conversations)):
+        ask(c)
+    while engine.pending:
+        for c, reply in engine.step():
+            replies[c].append(reply)
+            if len(replies[c]) < len(conversations[c]):
+                ask(c)
+    return asked, replies
+
+
+def first_turns(conversations: list[Conversation]) -> tuple[list[list[int]], list[int]]:
+    """Prompts and reply lengths of the conversations' first turns (what the single-turn contenders run)."""
+    return [c[0][0] for c in conversations], [c[0][1] for c in conversations]
 
 
 # ------------------------------------------------------------------ physical bound
@@ -225,7 +277,9 @@ def stats_of_call(before: dict, after: dict) -> dict:
     }
 
 
-def run_engine(model, prompts, lengths, batch: int, sampled: bool, bucket_step: int, args, device) -> dict:
+def run_engine(
+    model, conversations: list[Conversation], batch: int, sampled: bool, bucket_step: int, reuse: bool, args, device
+) -> dict:
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
@@ -235,14 +289,16 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, bucket_step: 
         else SamplingParams(temperature=0.0, top_p=1.0, top_k=0)
     )
     graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
-    capacity = max(len(p) + L for p, L in zip(prompts, lengths))
+    capacity = max(sum(len(new) + L for new, L in c) for c in conversations)  # the last turn, whole
     settings = EngineSettings(
         max_batch=batch,
         max_request_tokens=args.max_request_tokens or capacity,
         page_size=args.page_size,
         cuda_graphs=graphs,
         graph_bucket_step=bucket_step,
+        reuse_prefixes=reuse,
     )
+    prompts, lengths = first_turns(conversations)
     t = time.perf_counter()
     engine = GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings)
     build_s = time.perf_counter() - t
@@ -254,12 +310,13 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, bucket_step: 
     sync(device)
     warm_call_s = time.perf_counter() - t
     before = dict(engine.stats)
-    requests = [Request(prompt=p, max_new_tokens=L, key=i) for i, (p, L) in enumerate(zip(prompts, lengths))]
     sync(device)
     t = time.perf_counter()
-    replies = engine.generate(requests)
+    _, said = converse(engine, conversations)
     sync(device)
     seconds = time.perf_counter() - t
+    replies = [r for c in said for r in c]
+    lengths = [L for c in conversations for _, L in c]
     generated = sum(len(r.tokens) for r in replies)
     stats = stats_of_call(before, dict(engine.stats))
     useful = sum(min(len(r.tokens), L) for r, L in zip(replies, lengths))
@@ -267,8 +324,10 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, bucket_step: 
         "contender": "engine",
         "batch": batch,
         "bucket_step": bucket_step,
+        "reuse_prefixes": reuse,
         "sampling": "sampled" if sampled else "greedy",
-        "requests": len(requests),
+        "conversations": len(conversations),
+        "requests": len(replies),
         "drawn_tokens": sum(lengths),
         "generated_tokens": generated,
         "useful_tokens": useful,
@@ -288,8 +347,8 @@ def run_engine(model, prompts, lengths, batch: int, sampled: bool, bucket_step: 
         row["mean_context"] = stats["kv_tokens_read"] / stats["decode_rows"]
     if stats.get("decode_seconds"):
         row["decode_tokens_per_s"] = stats["decode_rows"] / stats["decode_seconds"]
-    row["_tokens"] = [list(r.tokens) for r in replies[: args.compare_rows]]
-    del engine, replies
+    row["_tokens"] = [list(c[0].tokens) for c in said[: args.compare_rows]]  # first turns, as HF runs them
+    del engine, replies, said
     return row
 
 
@@ -684,7 +743,23 @@ def parse_args(argv=None):
         help="[default: bfloat16 on CUDA, float32 on CPU]",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--requests", type=int, default=None, help="[default: 2000 on CUDA, 64 on CPU]")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="conversations (requests when --turns 1) [default: 2000 on CUDA, 64 on CPU]",
+    )
+    ap.add_argument(
+        "--turns", type=int, default=1, help="turns per conversation (module doc); HF runs first turns only"
+    )
+    ap.add_argument("--mean-user-turn", type=float, default=100.0, help="mean new tokens of a later turn's prompt")
+    ap.add_argument(
+        "--reuse-prefixes",
+        choices=["on", "off"],
+        action="append",
+        default=None,
+        help="engine prefix reuse across turns, repeatable: one engine run per value [default: on]",
+    )
     ap.add_argument("--max-prompt", type=int, default=None, help="[default: 1024 on CUDA, 128 on CPU]")
     ap.add_argument("--min-prompt", type=int, default=None, help="[default: 64/1024 of --max-prompt]")
     ap.add_argument("--mean-prompt", type=float, default=None, help="[default: 300/1024 of --max-prompt]")
@@ -797,6 +872,9 @@ def parse_args(argv=None):
     from dflash_pipeline.shared.generation.engine import EngineSettings
 
     args.bucket_step = args.bucket_step or [EngineSettings.graph_bucket_step]
+    args.reuse_prefixes = [v == "on" for v in args.reuse_prefixes or ["on"]]
+    if args.turns < 1:
+        ap.error("need --turns >= 1")
     args.baseline_batch = [] if args.skip_baseline else (args.baseline_batch or [32, 256])
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error("need 1 <= --min-prompt <= --max-prompt")
@@ -814,7 +892,9 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     model, allowed, eos, what = load_model(args, device, dtype)
-    prompts, lengths = draw_workload(args, allowed)
+    conversations = draw_workload(args, allowed)
+    prompts, lengths = first_turns(conversations)
+    all_lengths = [L for c in conversations for _, L in c]
     sizes = model_bytes(model)
     bandwidth = copy_bandwidth(device)
     free(device)
@@ -823,7 +903,9 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "args": {k: v for k, v in vars(args).items()},
         "workload": {
-            "requests": len(prompts),
+            "conversations": len(conversations),
+            "turns": args.turns,
+            "requests": len(all_lengths),
             "seed": args.seed,
             "prompt_tokens": {
                 "min": args.min_prompt,
@@ -832,12 +914,16 @@ def main(argv=None) -> dict:
                 "mean": float(np.mean([len(p) for p in prompts])),
                 "total": sum(len(p) for p in prompts),
             },
+            "user_turn_tokens": {
+                "target_mean": args.mean_user_turn,
+                "total": sum(len(new) for c in conversations for new, _ in c[1:]),
+            },
             "reply_tokens": {
                 "min": 1,
                 "max": args.max_reply,
                 "target_mean": args.mean_reply,
-                "mean": float(np.mean(lengths)),
-                "total": sum(lengths),
+                "mean": float(np.mean(all_lengths)),
+                "total": sum(all_lengths),
             },
             "eos_id_hf": eos,
             "stop_ids_engine": [],
@@ -852,9 +938,9 @@ def main(argv=None) -> dict:
     }
     wl = result["workload"]
     print(
-        f"workload: {len(prompts)} requests, prompt mean {wl['prompt_tokens']['mean']:.1f} "
-        f"({args.min_prompt}..{args.max_prompt}), reply mean {wl['reply_tokens']['mean']:.1f} (1..{args.max_reply}), "
-        f"{sum(lengths):,} tokens to generate",
+        f"workload: {len(conversations)} conversations x {args.turns} turns, first prompt mean "
+        f"{wl['prompt_tokens']['mean']:.1f} ({args.min_prompt}..{args.max_prompt}), reply mean "
+        f"{wl['reply_tokens']['mean']:.1f} (1..{args.max_reply}), {sum(all_lengths):,} tokens to generate",
         flush=True,
     )
 
@@ -942,22 +1028,22 @@ def main(argv=None) -> dict:
                 f"{r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms ({r['speedup']:.2f}x)"
             ),
         )
-    for batch in args.batch:
-        for step in args.bucket_step:
-            for sampled in [False, True] if args.sampled else [False]:
-                row = attempt(
-                    f"engine batch {batch} bucket step {step}{' sampled' if sampled else ''}",
-                    lambda batch=batch, step=step, sampled=sampled: run_engine(
-                        model, prompts, lengths, batch, sampled, step, args, device
-                    ),
-                )
-                if row:
-                    print(
-                        f"engine batch {batch} bucket step {step} {row['sampling']}: {row['tokens_per_s']:,.0f} tok/s",
-                        flush=True,
-                    )
-                    result["engine"].append(row)
-    for batch in args.baseline_batch:
+    for batch, step, reuse, sampled in itertools.product(
+        args.batch, args.bucket_step, args.reuse_prefixes, [False, True] if args.sampled else [False]
+    ):
+        name = (
+            f"engine batch {batch} bucket step {step} reuse {'on' if reuse else 'off'}{' sampled' if sampled else ''}"
+        )
+        row = attempt(
+            name,
+            lambda batch=batch, step=step, reuse=reuse, sampled=sampled: run_engine(
+                model, conversations, batch, sampled, step, reuse, args, device
+            ),
+        )
+        if row:
+            print(f"{name}: {row['tokens_per_s']:,.0f} tok/s", flush=True)
+            result["engine"].append(row)
+    for batch in args.baseline_batch if args.turns == 1 else []:
         n = min(len(prompts), args.baseline_requests or max(64, batch))
         row = attempt(
             f"hf_generate batch {batch}",
@@ -1015,7 +1101,8 @@ def print_summary(result: dict, args) -> None:
     """A short table for the tail of the log (gpu_session.sh shows the last 25 lines)."""
     wl = result["workload"]
     print(
-        f"\n== regenerate: {result['model']} on {result['device']}; {wl['requests']} requests, prompts mean "
+        f"\n== regenerate: {result['model']} on {result['device']}; {wl['conversations']} conversations x "
+        f"{wl['turns']} turns, first prompts mean "
         f"{wl['prompt_tokens']['mean']:.0f} ({args.min_prompt}..{args.max_prompt}), replies mean "
         f"{wl['reply_tokens']['mean']:.0f} (1..{args.max_reply}), each ending at its drawn length"
     )
@@ -1026,12 +1113,15 @@ def print_summary(result: dict, args) -> None:
     )
     hf_batches = [r["batch"] for r in result["hf_generate"]]
     print(
-        f"{'contender':<28}{'reqs':>5}{'tokens':>10}{'tok/s':>8}"
+        f"{'contender':<34}{'reqs':>5}{'tokens':>10}{'tok/s':>8}"
         + "".join(f"{'/HF' + str(b):>8}" for b in hf_batches)
         + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}"
     )
     for r in result["engine"]:
-        line = f"{'engine ' + r['sampling'] + ' B=' + str(r['batch']) + ' s=' + str(r['bucket_step']):<28}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
+        name = f"engine {r['sampling']} B={r['batch']} s={r['bucket_step']}" + (
+            "" if r["reuse_prefixes"] else " noreuse"
+        )
+        line = f"{name:<34}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
         line += "".join(f"{r.get(f'vs_hf_batch{b}', float('nan')):>7.2f}x" for b in hf_batches)
         if "bound_tok_s" in r:
             line += (
@@ -1041,7 +1131,7 @@ def print_summary(result: dict, args) -> None:
         print(line)
     for r in result["hf_generate"]:
         name = f"HF generate B={r['batch']} cap {r['max_new_tokens_cap']}"
-        print(f"{name:<28}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
+        print(f"{name:<34}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
     print(
         "ctx: mean context per decode row; rows: mean active rows per step; bound: B rows at ctx; "
         "sched: the engine's own steps (prefill uncharged)"
@@ -1049,7 +1139,8 @@ def print_summary(result: dict, args) -> None:
     for r in result["engine"]:
         notes = [
             f"graphs {r['graph_capture_s']:.1f} s" if r.get("graph_capture_s") else "",
-            f"prefill {r['stats'].get('prefill_seconds', 0):.1f} s, decode {r['stats'].get('decode_seconds', 0):.1f} s",
+            f"prefill {r['stats'].get('prefill_seconds', 0):.1f} s ({r['stats'].get('prefill_tokens', 0):,} tokens, "
+            f"{r['stats'].get('reused_prompt_tokens', 0):,} reused), decode {r['stats'].get('decode_seconds', 0):.1f} s",
             f"{r['length_mismatches']} replies NOT at their drawn length" if r["length_mismatches"] else "",
         ]
         for k, v in r.items():

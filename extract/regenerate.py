@@ -141,6 +141,10 @@ class _Conversation:
     unfinished: int = 0
     cut: bool = False
 
+    def has_later_reply(self) -> bool:
+        """Whether a turn after the reply being asked for is another reply to regenerate."""
+        return any(m["role"] == "assistant" for m in self.record.messages[self.next_turn + 1 :])
+
     def advance_to_reply(self) -> bool:
         """Copy turns up to the next assistant turn that answers a prompt; False at the end."""
         messages = self.record.messages
@@ -218,9 +222,12 @@ class _Regenerator:
             if len(prompt) < self.max_length:
                 turn = len(conv.reply_tokens)
                 key = request_key(self.settings.seed, conv.input_index, turn, conv.sample)
-                self.engine.add(conv.index, Request(prompt, self.settings.max_new_tokens, key))
+                # a later turn's prompt starts with this one and its reply: keep their keys and values
+                keep = conv.has_later_reply()
+                self.engine.add(conv.index, Request(prompt, self.settings.max_new_tokens, key, keep_cache=keep))
                 return
             conv.cut = True
+        self.engine.release(conv.index)
         entry = conv.entry()
         del self.convs[conv.index]
         self.done[conv.index] = entry
@@ -335,6 +342,12 @@ def _generate(
         sink.sync()
     bar.close()
     timing.tokens, timing.seconds = engine.stats["generated_tokens"], time.perf_counter() - started
+    if rank == 0:
+        reused, computed = engine.stats["reused_prompt_tokens"], engine.stats["prefill_tokens"]
+        progress_note(
+            f"regenerate rank 0: prompts of {reused + computed:,} tokens, {computed:,} prefilled, "
+            f"{reused:,} already cached by the conversation's earlier turn"
+        )
     return regenerator.done
 
 

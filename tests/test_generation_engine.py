@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
+from bench.regenerate import converse
 from dflash_pipeline.shared.generation.decoder import GenerationError
 from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
 from dflash_pipeline.shared.generation.sampling import SamplingParams, choose_tokens, request_key, uniforms
@@ -140,3 +141,55 @@ def test_graph_buckets_pad_rows_to_the_next_multiple_of_the_step():
     assert graph_buckets(512, 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]  # powers of two only
     assert graph_buckets(100, 64) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert graph_buckets(5, 64) == [1, 2, 4, 5]
+
+
+def conversations(n: int, seed: int = 0) -> list[list[tuple[list[int], int]]]:
+    """n conversations of 1..4 turns: user turns of 1..12 random ids, replies of at most 1..10 tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    return [
+        [(torch.randint(5, 700, (draw(1, 12),), generator=g).tolist(), draw(1, 10)) for _ in range(draw(1, 4))]
+        for _ in range(n)
+    ]
+
+
+def chat_engine(model, max_batch: int, sampling=GREEDY, stops=(), reuse=True, num_pages=None):
+    settings = EngineSettings(
+        max_batch=max_batch, max_request_tokens=96, page_size=4, reuse_prefixes=reuse, num_pages=num_pages
+    )
+    return GenerationEngine(model, stop_ids=stops, sampling=sampling, settings=settings)
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_later_turns_reuse_the_cached_conversation_and_reply_as_hf_generate(model, rewrite):
+    turns = conversations(8)
+    eng = chat_engine(model, 3, stops=[7, 11])
+    asked, replies = converse(eng, turns, rewrite=rewrite)
+    for prompts, said, conv in zip(asked, replies, turns):
+        assert [r.tokens for r in said] == [
+            hf_greedy(model, Request(p, L), [7, 11]) for p, (_, L) in zip(prompts, conv)
+        ]
+    later = sum(len(p) for prompts in asked for p in prompts[1:])
+    assert 0 < eng.stats["reused_prompt_tokens"] < later  # most of every later prompt, never a whole one
+    # the same replies when every turn prefills its whole conversation again
+    again = chat_engine(model, 3, stops=[7, 11], reuse=False)
+    assert converse(again, turns, rewrite=rewrite) == (asked, replies)
+    assert again.stats["reused_prompt_tokens"] == 0
+    assert again.stats["prefill_tokens"] == eng.stats["prefill_tokens"] + eng.stats["reused_prompt_tokens"]
+
+
+def test_kept_caches_give_way_when_pages_run_short(model):
+    """A pool for one request of the full 96 tokens: kept caches must be evicted for others to start;
+    sampled replies stay the same as with room to spare, and every page comes back."""
+    turns = conversations(10, seed=1)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    roomy = chat_engine(model, 3, sampling)
+    tight = chat_engine(model, 3, sampling, num_pages=24 + 1)
+    assert converse(tight, turns) == converse(roomy, turns)
+    assert tight.stats["evicted_caches"] > 0 and roomy.stats["evicted_caches"] == 0
+    assert tight.stats["reused_prompt_tokens"] > 0
+    for eng in (tight, roomy):
+        assert not eng._kept and sorted(eng._free_pages) == list(range(1, eng.stats["kv_cache_pages"]))

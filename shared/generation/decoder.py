@@ -3,8 +3,10 @@
 The HF model stays the single source of weights and layer code: its embedding, norms, output
 projection, q/k norms (Qwen3), rotary embedding, MLP activation and LM head are called as they are.
 What is ours is what HF's per-request cache cannot do: packed prefill of prompts of different
-lengths into cache pages, and a one-token decode step over rows that each attend to their own pages
-(no padding, fixed shapes, so it can be captured once as a CUDA graph). And one regrouping: each
+lengths into cache pages (a prompt may continue from pages an earlier turn filled: then only its new
+tokens are computed, attending to the cached ones), and a one-token decode step over rows that
+each attend to their own pages (no padding, fixed shapes, so it can be captured once as a CUDA
+graph). And one regrouping: each
 layer's q/k/v projections, and its MLP's gate/up projections, become row blocks of one weight
 (`fuse_projections`, in place: the HF modules then hold views of it), so a decode step runs two
 matmuls where it ran five. At decode sizes the k/v projections (1,024 output columns for an 8B
@@ -118,30 +120,62 @@ def uses_varlen(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Where each of the prompts packed back to back lies: prompt i's queries are rows
+    `query_bounds[i]:query_bounds[i+1]` of q, its keys and values rows `key_bounds[i]:key_bounds[i+1]`
+    of k and v. A prompt continued from tokens already in the cache has more keys than queries: its
+    queries are its last tokens. `cu_query`/`cu_key`: the same bounds on the device where the varlen
+    kernel runs (`uses_varlen`), else None."""
+
+    query_bounds: list[int]
+    key_bounds: list[int]
+    cu_query: torch.Tensor | None
+    cu_key: torch.Tensor | None
+
+    @classmethod
+    def of(cls, query_lengths: list[int], key_lengths: list[int], like: torch.Tensor) -> Packing:
+        def bounds(lengths: list[int]) -> list[int]:
+            out = [0]
+            for n in lengths:
+                out.append(out[-1] + n)
+            return out
+
+        q, k = bounds(query_lengths), bounds(key_lengths)
+        if not uses_varlen(like):
+            return cls(q, k, None, None)
+        cu_q = torch.tensor(q, dtype=torch.int32, device=like.device)
+        return cls(q, k, cu_q, cu_q if k == q else torch.tensor(k, dtype=torch.int32, device=like.device))
+
+
 def packed_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bounds: list[int],
-    cu_seq: torch.Tensor | None,
-    groups: int,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, groups: int, scale: float
 ) -> torch.Tensor:
-    """Causal attention within each of the prompts packed back to back in q [T, heads, D] and k, v
-    [T, kv_heads, D] (prompt i is rows bounds[i]:bounds[i+1]; `cu_seq` the same bounds on the device
-    where `uses_varlen`, else None); returns [T, heads, D]."""
-    if cu_seq is not None:
-        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    """Causal attention within each packed prompt (q [Tq, heads, D], k and v [Tk, kv_heads, D], laid
+    out as `packing` says); returns [Tq, heads, D]. A prompt's query j of nq, with nk keys, sits at
+    position nk - nq + j and sees keys 0 .. nk - nq + j (causal aligned at the end)."""
+    qb, kb = packing.query_bounds, packing.key_bounds
+    if packing.cu_query is not None:
+        longest_q = max(b - a for a, b in zip(qb[:-1], qb[1:]))
+        longest_k = max(b - a for a, b in zip(kb[:-1], kb[1:]))
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        return varlen_attn(q, k, v, cu_seq, cu_seq, longest, longest, scale=scale, window_size=(-1, 0))
+        # flash attention aligns a causal mask of fewer queries than keys at the end, as above
+        return varlen_attn(
+            q, k, v, packing.cu_query, packing.cu_key, longest_q, longest_k, scale=scale, window_size=(-1, 0)
+        )
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, D]
     out = torch.empty_like(q)
-    for start, stop in zip(bounds[:-1], bounds[1:]):
-        out[:, start:stop] = F.scaled_dot_product_attention(
-            q[None, :, start:stop],
-            k[None, :, start:stop],
-            v[None, :, start:stop],
-            is_causal=True,
+    for q0, q1, k0, k1 in zip(qb[:-1], qb[1:], kb[:-1], kb[1:]):
+        nq, nk = q1 - q0, k1 - k0
+        mask = None
+        if nq != nk:  # SDPA's is_causal aligns at the start
+            mask = torch.arange(nk, device=q.device)[None] <= torch.arange(nk - nq, nk, device=q.device)[:, None]
+        out[:, q0:q1] = F.scaled_dot_product_attention(
+            q[None, :, q0:q1],
+            k[None, :, k0:k1],
+            v[None, :, k0:k1],
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=groups > 1,  # no repeated copy of the keys and values
         )[0]
@@ -260,23 +294,33 @@ class PagedDecoder:
         return self.lm_head(self.norm(hidden)).float()
 
     def prefill(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache_index: torch.Tensor, lengths: list[int]
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache_index: torch.Tensor,
+        lengths: list[int],
+        context_index: torch.Tensor | None = None,
+        context_lengths: list[int] | None = None,
     ) -> torch.Tensor:
         """Prompts packed back to back (`tokens`, `positions`, `cache_index` of [T]; `lengths` the
-        prompt lengths, summing to T): writes their keys/values, returns the float32 logits [n, vocab]
-        after each prompt's last token. Attention is causal within each prompt only."""
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
+        tokens of each, summing to T): writes their keys/values, returns the float32 logits [n, vocab]
+        after each prompt's last token. Attention is causal within each prompt only. A prompt whose
+        first tokens are already in the cache (an earlier turn's) passes only the rest, at their
+        positions; then `context_index` lists the cache slots of every prompt's whole context in order
+        (`context_lengths[i]` of prompt i) and attention reads the keys/values from there."""
         hidden = self.embed(tokens)
         cos, sin = self._rotary(hidden, positions)
-        cu_seq = torch.tensor(bounds, dtype=torch.int32, device=tokens.device) if uses_varlen(hidden) else None
+        packing = Packing.of(lengths, context_lengths or lengths, hidden)
+        flat = (-1, self.kv_heads, self.head_dim)
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim)
             self._store(i, cache_index, k, v)
-            out = packed_causal_attention(q, k, v, bounds, cu_seq, self.groups, self.scaling)
+            if context_index is not None:
+                k = self.cache.keys[i].view(flat)[context_index]
+                v = self.cache.values[i].view(flat)[context_index]
+            out = packed_causal_attention(q, k, v, packing, self.groups, self.scaling)
             hidden = self._layer_output(layer, self.gate_up[i], hidden, out.reshape(len(tokens), -1))
-        last = torch.tensor([b - 1 for b in bounds[1:]], device=tokens.device)
+        last = torch.tensor([b - 1 for b in packing.query_bounds[1:]], device=tokens.device)
         return self._logits(hidden[last])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

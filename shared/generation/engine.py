@@ -10,12 +10,19 @@ On CUDA the decode step is captured once per batch bucket as a CUDA graph (rows 
 bucket point at a scratch slot), so a step costs one graph launch rather than ~30 kernel launches
 per layer from Python. Every row's token is a function of its own request (see `sampling`): the
 replies do not depend on which requests ran together.
+
+Turns of one conversation: a request marked `keep_cache` leaves its keys and values in the cache
+when it finishes, and the next request added under the same id (the conversation's next turn, whose
+prompt repeats the earlier prompt and reply) computes only what follows their longest common prefix.
+Without it, every turn prefills its whole conversation again: on chat data more prompt tokens than
+the replies generate. Kept caches wait at most until pages run short (then the oldest go first) or
+`release`; a request that reuses one jumps the queue, so its pages are not held idle for long.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +40,10 @@ from dflash_pipeline.shared.generation.sampling import SamplingParams, choose_to
 from dflash_pipeline.shared.target.loading import text_config
 
 WORKSPACE_MARGIN_BYTES = 2 << 30  # beside the estimate: CUDA graphs' pool, library workspaces
+# A prefill of continued prompts gathers every prompt's cached keys/values (GQA: repeated per query
+# head for the varlen kernel) per layer: their whole contexts may be at most this many times
+# `prefill_tokens`, so that copy stays within the workspace's margin.
+CONTEXT_PER_PREFILL = 4
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,7 @@ class EngineSettings:
     num_pages: int | None = None  # KV-cache pages; None: what fits (CUDA) or max_batch full requests (CPU)
     admit_fraction: float = 1 / 32  # prefill once this share of the rows is free (fewer, larger prefills)
     graph_bucket_step: int = 64  # CUDA graphs for every multiple of this many rows (see graph_buckets)
+    reuse_prefixes: bool = True  # honour Request.keep_cache (off: every request prefills its whole prompt)
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.page_size, self.prefill_tokens, self.graph_bucket_step) < 1:
@@ -59,6 +71,7 @@ class Request:
     prompt: Sequence[int]
     max_new_tokens: int
     key: int = 0  # the request's sampling key (sampling.request_key); unused when greedy
+    keep_cache: bool = False  # keep the keys/values for the next request of this id (module doc)
 
 
 @dataclass
@@ -73,7 +86,25 @@ class _Running:
     request: Request
     slot: int
     pages: list[int]
+    cached: int = 0  # prompt tokens whose keys/values an earlier request of this id left in `pages`
     reply: Reply = field(default_factory=Reply)
+
+
+@dataclass
+class _Kept:
+    """A finished request's cache, kept for the next request of its id: the tokens whose keys and
+    values `pages` hold (the prompt and all of the reply but its last token, never fed back)."""
+
+    tokens: list[int]
+    pages: list[int]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def graph_buckets(max_batch: int, step: int) -> list[int]:
@@ -133,6 +164,7 @@ class GenerationEngine:
         self.block_table = torch.zeros(slots + 1, self.pages_per_request, dtype=torch.int32, device=self.device)
         self._queue: deque[tuple[Hashable, Request]] = deque()
         self._running: dict[int, _Running] = {}
+        self._kept: OrderedDict[Hashable, _Kept] = OrderedDict()  # oldest first
         self._context_tokens = 0  # cached tokens of the running requests: what the next decode step reads
         use_graphs = settings.cuda_graphs if settings.cuda_graphs is not None else self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
@@ -144,6 +176,8 @@ class GenerationEngine:
             "decode_rows": 0,
             "kv_tokens_read": 0,
             "prefill_tokens": 0,
+            "reused_prompt_tokens": 0,
+            "evicted_caches": 0,
             "prefills": 0,
             "generated_tokens": 0,
             "requests": 0,
@@ -188,7 +222,16 @@ class GenerationEngine:
                 f"request {request_id!r}: prompt {len(request.prompt)} + {request.max_new_tokens} new "
                 f"tokens exceed the engine's {self.settings.max_request_tokens} tokens per request"
             )
-        self._queue.append((request_id, request))
+        if request_id in self._kept:
+            self._queue.appendleft((request_id, request))
+        else:
+            self._queue.append((request_id, request))
+
+    def release(self, request_id: Hashable) -> None:
+        """Free the cache a `keep_cache` request left under `request_id`, if any (no next turn)."""
+        kept = self._kept.pop(request_id, None)
+        if kept is not None:
+            self._free_pages.extend(kept.pages)
 
     @property
     def running(self) -> int:
@@ -228,20 +271,22 @@ class GenerationEngine:
         finished = []
         while self._queue and self._free_slots:
             batch: list[_Running] = []
-            tokens = 0
+            tokens = context = 0
             while self._queue and self._free_slots:
                 request_id, request = self._queue[0]
+                kept = self._kept.get(request_id)
+                cached = 0 if kept is None else min(common_prefix(kept.tokens, request.prompt), len(request.prompt) - 1)
                 pages = pages_for(len(request.prompt) + request.max_new_tokens, self.settings.page_size)
-                too_long = batch and tokens + len(request.prompt) > self.settings.prefill_tokens
-                if too_long or pages > len(self._free_pages):
+                too_long = batch and (
+                    tokens + len(request.prompt) - cached > self.settings.prefill_tokens
+                    or context + len(request.prompt) > CONTEXT_PER_PREFILL * self.settings.prefill_tokens
+                )
+                if too_long or not self._make_room(pages - (0 if kept is None else len(kept.pages)), request_id):
                     break
                 self._queue.popleft()
-                batch.append(
-                    _Running(
-                        request_id, request, self._free_slots.pop(), [self._free_pages.pop() for _ in range(pages)]
-                    )
-                )
-                tokens += len(request.prompt)
+                batch.append(self._start(request_id, request, pages, cached))
+                tokens += len(request.prompt) - cached
+                context += len(request.prompt)
             if not batch:
                 if not self._running:  # nothing will ever free pages: the pool is too small
                     raise GenerationError(f"request {self._queue[0][0]!r} needs more KV-cache pages than exist")
@@ -249,15 +294,39 @@ class GenerationEngine:
             finished += self._prefill(batch)
         return finished
 
+    def _make_room(self, pages: int, request_id: Hashable) -> bool:
+        """Whether `pages` pages are free, after freeing kept caches (oldest first, never the one
+        `request_id` is about to reuse) if needed."""
+        while pages > len(self._free_pages):
+            victim = next((r for r in self._kept if r != request_id), None)
+            if victim is None:
+                return False
+            self.release(victim)
+            self.stats["evicted_caches"] += 1
+        return True
+
+    def _start(self, request_id: Hashable, request: Request, pages: int, cached: int) -> _Running:
+        """A row for the request: its kept pages first (all of them or as many as it needs), then new ones."""
+        kept = self._kept.pop(request_id, None)
+        own = [] if kept is None else kept.pages
+        self._free_pages.extend(own[pages:])
+        own = own[:pages]
+        own += [self._free_pages.pop() for _ in range(pages - len(own))]
+        return _Running(request_id, request, self._free_slots.pop(), own, cached=cached)
+
     def _prefill(self, batch: list[_Running]) -> list[tuple[Hashable, Reply]]:
         start = time.perf_counter()
         page = self.settings.page_size
-        ids, positions, cache_index = [], [], []
+        ids, positions, cache_index, context_index = [], [], [], []
+        continued = any(run.cached for run in batch)
         for run in batch:
-            n = len(run.request.prompt)
-            ids.extend(run.request.prompt)
-            positions.extend(range(n))
-            cache_index.extend(run.pages[t // page] * page + t % page for t in range(n))
+            n, cached = len(run.request.prompt), run.cached
+            ids.extend(run.request.prompt[cached:])
+            positions.extend(range(cached, n))
+            slots = [run.pages[t // page] * page + t % page for t in range(n)]
+            cache_index.extend(slots[cached:])
+            if continued:
+                context_index.extend(slots)
             table = torch.zeros(self.pages_per_request, dtype=torch.int32)
             table[: len(run.pages)] = torch.tensor(run.pages, dtype=torch.int32)
             self.block_table[run.slot].copy_(table)
@@ -265,24 +334,31 @@ class GenerationEngine:
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(self.device)
 
+        prompts = [len(r.request.prompt) for r in batch]
         logits = self.decoder.prefill(
-            as_tensor(ids), as_tensor(positions), as_tensor(cache_index), [len(r.request.prompt) for r in batch]
+            as_tensor(ids),
+            as_tensor(positions),
+            as_tensor(cache_index),
+            [n - r.cached for n, r in zip(prompts, batch)],
+            as_tensor(context_index) if continued else None,
+            prompts if continued else None,
         )
         slots = as_tensor([r.slot for r in batch])
         keys = as_tensor([r.request.key for r in batch])
         first = choose_tokens(logits, keys, torch.zeros_like(keys), self.sampling)
-        lengths = as_tensor([len(r.request.prompt) for r in batch])
+        lengths = as_tensor(prompts)
         self.slot_token[slots] = first
         self.slot_position[slots] = lengths
         self.slot_prompt_length[slots] = lengths
         self.slot_key[slots] = keys
         tokens = first.tolist()
         self.stats["prefill_tokens"] += len(ids)
+        self.stats["reused_prompt_tokens"] += sum(prompts) - len(ids)
         self.stats["prefills"] += 1
         self.stats["requests"] += len(batch)
         for run in batch:
             self._running[run.slot] = run
-        self._context_tokens += len(ids)
+        self._context_tokens += sum(prompts)
         done = self._take_tokens([r.slot for r in batch], tokens)
         self.stats["prefill_seconds"] += time.perf_counter() - start
         return done
@@ -355,7 +431,18 @@ class GenerationEngine:
                 del self._running[slot]
                 self._context_tokens -= len(run.request.prompt) + len(run.reply.tokens)
                 self._free_slots.append(slot)
-                self._free_pages.extend(run.pages)
+                self._finish_pages(run)
                 done.append((run.request_id, run.reply))
         self.stats["generated_tokens"] += len(tokens)
         return done
+
+    def _finish_pages(self, run: _Running) -> None:
+        """Free a finished request's pages, or keep those holding its tokens for the next request of its id."""
+        if not (run.request.keep_cache and self.settings.reuse_prefixes):
+            self._free_pages.extend(run.pages)
+            return
+        tokens = [*run.request.prompt, *run.reply.tokens[:-1]]  # the last token's keys were never computed
+        used = pages_for(len(tokens), self.settings.page_size)
+        self._free_pages.extend(run.pages[used:])
+        self.release(run.request_id)  # a cache that an earlier request of this id left and none took
+        self._kept[run.request_id] = _Kept(tokens, run.pages[:used])

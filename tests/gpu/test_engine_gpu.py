@@ -66,33 +66,39 @@ def test_sampled_graph_decode_is_independent_of_batching(model):
     assert full == run(model, requests, sampling, False, max_batch=7)
 
 
+@pytest.mark.parametrize("continued", [False, True])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_varlen_prefill_attention_equals_per_prompt_sdpa(groups):
+def test_varlen_prefill_attention_equals_per_prompt_sdpa(groups, continued):
     """bf16 on CUDA: the packed prompts go through flash attention's variable-length kernel in one
-    call; it must equal causal SDPA run prompt by prompt (the CPU / float32 path)."""
-    from dflash_pipeline.shared.generation.decoder import packed_causal_attention, uses_varlen
+    call; it must equal causal SDPA run prompt by prompt (the CPU / float32 path), also for prompts
+    continued from cached tokens (fewer queries than keys, the causal mask aligned at the end)."""
+    from dflash_pipeline.shared.generation.decoder import Packing, packed_causal_attention, uses_varlen
 
     g = torch.Generator().manual_seed(0)
-    lengths = [1, 37, 300, 5, 128]
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
+    key_lengths = [1, 37, 300, 5, 128]
+    query_lengths = [1, 9, 300, 1, 64] if continued else key_lengths
     heads, d = 8, 128
-    q, k, v = (
-        torch.randn(bounds[-1], h, d, generator=g).to("cuda", torch.bfloat16)
-        for h in (heads, heads // groups, heads // groups)
-    )
+    q = torch.randn(sum(query_lengths), heads, d, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(sum(key_lengths), heads // groups, d, generator=g).to("cuda", torch.bfloat16) for _ in "kv")
     assert uses_varlen(q)
-    cu_seq = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-    packed = packed_causal_attention(q, k, v, bounds, cu_seq, groups, d**-0.5)
-    looped = packed_causal_attention(q, k, v, bounds, None, groups, d**-0.5)
+    packing = Packing.of(query_lengths, key_lengths, q)
+    assert packing.cu_query is not None
+    looped_packing = Packing(packing.query_bounds, packing.key_bounds, None, None)
+    packed = packed_causal_attention(q, k, v, packing, groups, d**-0.5)
+    looped = packed_causal_attention(q, k, v, looped_packing, groups, d**-0.5)
     assert packed.shape == looped.shape == q.shape
     torch.testing.assert_close(packed.float(), looped.float(), atol=2e-2, rtol=2e-2)
     # a prompt's rows do not see another prompt: changing prompt 2's keys moves only its rows
+    qb, kb = packing.query_bounds, packing.key_bounds
     k2 = k.clone()
-    k2[bounds[2] : bounds[3]] += 1
-    moved = (packed_causal_attention(q, k2, v, bounds, cu_seq, groups, d**-0.5) != packed).any(-1).any(-1)
-    assert moved[bounds[2] : bounds[3]].any() and not moved[: bounds[2]].any() and not moved[bounds[3] :].any()
+    k2[kb[2] : kb[3]] += 1
+    moved = (packed_causal_attention(q, k2, v, packing, groups, d**-0.5) != packed).any(-1).any(-1)
+    assert moved[qb[2] : qb[3]].any() and not moved[: qb[2]].any() and not moved[qb[3] :].any()
+    # and a query does not see keys after its own position: the last key of prompt 4 moves only its last query
+    k3 = k.clone()
+    k3[kb[5] - 1] += 1
+    moved = (packed_causal_attention(q, k3, v, packing, groups, d**-0.5) != packed).any(-1).any(-1)
+    assert moved[qb[5] - 1] and not moved[: qb[5] - 1].any()
 
 
 def test_graphs_of_every_bucket_size_decode_like_eager(model):
@@ -102,3 +108,35 @@ def test_graphs_of_every_bucket_size_decode_like_eager(model):
     for sampling in (SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)):
         graphed = run(model, requests, sampling, True, max_batch=48, bucket_step=8)
         assert graphed == run(model, requests, sampling, False, max_batch=48)
+
+
+def test_later_turns_reuse_cached_pages_under_graphs_as_hf_generate(model):
+    """Multi-turn chat on CUDA with graph decode: later turns prefill only what their kept pages lack
+    and reply as HF `generate` on the whole prompt (float32), and as the engine without reuse."""
+    from bench.regenerate import converse
+
+    g = torch.Generator().manual_seed(1)
+    turns = [
+        [(torch.randint(5, 700, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist(), 20)] * 3
+        for _ in range(12)
+    ]
+
+    def engine(reuse: bool) -> GenerationEngine:
+        settings = EngineSettings(max_batch=5, max_request_tokens=320, page_size=16, reuse_prefixes=reuse)
+        return GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings)
+
+    reusing = engine(True)
+    asked, replies = converse(reusing, turns)
+    assert reusing.stats["reused_prompt_tokens"] > 0
+    assert converse(engine(False), turns) == (asked, replies)
+    for prompt, reply in zip([p for c in asked[:4] for p in c], [r for c in replies[:4] for r in c]):
+        ids = torch.tensor([prompt], device="cuda")
+        want = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, ids.shape[1] :].tolist()
+        assert reply.tokens == want
