@@ -277,9 +277,9 @@ def stats_of_call(before: dict, after: dict) -> dict:
     }
 
 
-def run_engine(
-    model, conversations: list[Conversation], batch: int, sampled: bool, bucket_step: int, reuse: bool, args, device
-) -> dict:
+def run_engine(model, conversations: list[Conversation], batch: int, sampled: bool, knobs: dict, args, device) -> dict:
+    """One engine row; `knobs`: the EngineSettings fields that vary between rows (graph_bucket_step,
+    reuse_prefixes, admit_page_fraction)."""
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
@@ -295,8 +295,7 @@ def run_engine(
         max_request_tokens=args.max_request_tokens or capacity,
         page_size=args.page_size,
         cuda_graphs=graphs,
-        graph_bucket_step=bucket_step,
-        reuse_prefixes=reuse,
+        **knobs,
     )
     prompts, lengths = first_turns(conversations)
     t = time.perf_counter()
@@ -323,8 +322,9 @@ def run_engine(
     row = {
         "contender": "engine",
         "batch": batch,
-        "bucket_step": bucket_step,
-        "reuse_prefixes": reuse,
+        "bucket_step": knobs["graph_bucket_step"],
+        "reuse_prefixes": knobs["reuse_prefixes"],
+        "admit_page_fraction": knobs["admit_page_fraction"],
         "sampling": "sampled" if sampled else "greedy",
         "conversations": len(conversations),
         "requests": len(replies),
@@ -778,6 +778,14 @@ def parse_args(argv=None):
     )
     ap.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
     ap.add_argument(
+        "--admit-page-fraction",
+        type=float,
+        action="append",
+        default=None,
+        help="engine admit_page_fraction, repeatable: one engine run per value (0: admit whenever a row is free) "
+        "[default: the engine's]",
+    )
+    ap.add_argument(
         "--bucket-step",
         type=int,
         action="append",
@@ -873,6 +881,7 @@ def parse_args(argv=None):
 
     args.bucket_step = args.bucket_step or [EngineSettings.graph_bucket_step]
     args.reuse_prefixes = [v == "on" for v in args.reuse_prefixes or ["on"]]
+    args.admit_page_fraction = args.admit_page_fraction or [EngineSettings.admit_page_fraction]
     if args.turns < 1:
         ap.error("need --turns >= 1")
     args.baseline_batch = [] if args.skip_baseline else (args.baseline_batch or [32, 256])
@@ -1028,16 +1037,22 @@ def main(argv=None) -> dict:
                 f"{r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms ({r['speedup']:.2f}x)"
             ),
         )
-    for batch, step, reuse, sampled in itertools.product(
-        args.batch, args.bucket_step, args.reuse_prefixes, [False, True] if args.sampled else [False]
+    for batch, step, reuse, pages, sampled in itertools.product(
+        args.batch,
+        args.bucket_step,
+        args.reuse_prefixes,
+        args.admit_page_fraction,
+        [False, True] if args.sampled else [False],
     ):
+        knobs = {"graph_bucket_step": step, "reuse_prefixes": reuse, "admit_page_fraction": pages}
         name = (
-            f"engine batch {batch} bucket step {step} reuse {'on' if reuse else 'off'}{' sampled' if sampled else ''}"
+            f"engine batch {batch} bucket step {step} reuse {'on' if reuse else 'off'} "
+            f"admit pages {pages:g}{' sampled' if sampled else ''}"
         )
         row = attempt(
             name,
-            lambda batch=batch, step=step, reuse=reuse, sampled=sampled: run_engine(
-                model, conversations, batch, sampled, step, reuse, args, device
+            lambda batch=batch, knobs=knobs, sampled=sampled: run_engine(
+                model, conversations, batch, sampled, knobs, args, device
             ),
         )
         if row:
@@ -1113,15 +1128,14 @@ def print_summary(result: dict, args) -> None:
     )
     hf_batches = [r["batch"] for r in result["hf_generate"]]
     print(
-        f"{'contender':<34}{'reqs':>5}{'tokens':>10}{'tok/s':>8}"
+        f"{'contender':<40}{'reqs':>5}{'tokens':>10}{'tok/s':>8}"
         + "".join(f"{'/HF' + str(b):>8}" for b in hf_batches)
         + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}"
     )
     for r in result["engine"]:
-        name = f"engine {r['sampling']} B={r['batch']} s={r['bucket_step']}" + (
-            "" if r["reuse_prefixes"] else " noreuse"
-        )
-        line = f"{name:<34}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
+        name = f"engine {r['sampling']} B={r['batch']} s={r['bucket_step']} p={r['admit_page_fraction']:.3g}"
+        name += "" if r["reuse_prefixes"] else " noreuse"
+        line = f"{name:<40}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
         line += "".join(f"{r.get(f'vs_hf_batch{b}', float('nan')):>7.2f}x" for b in hf_batches)
         if "bound_tok_s" in r:
             line += (
@@ -1131,7 +1145,7 @@ def print_summary(result: dict, args) -> None:
         print(line)
     for r in result["hf_generate"]:
         name = f"HF generate B={r['batch']} cap {r['max_new_tokens_cap']}"
-        print(f"{name:<34}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
+        print(f"{name:<40}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
     print(
         "ctx: mean context per decode row; rows: mean active rows per step; bound: B rows at ctx; "
         "sched: the engine's own steps (prefill uncharged)"
@@ -1140,7 +1154,8 @@ def print_summary(result: dict, args) -> None:
         notes = [
             f"graphs {r['graph_capture_s']:.1f} s" if r.get("graph_capture_s") else "",
             f"prefill {r['stats'].get('prefill_seconds', 0):.1f} s ({r['stats'].get('prefill_tokens', 0):,} tokens, "
-            f"{r['stats'].get('reused_prompt_tokens', 0):,} reused), decode {r['stats'].get('decode_seconds', 0):.1f} s",
+            f"{r['stats'].get('reused_prompt_tokens', 0):,} reused, {r['stats'].get('prefills', 0)} prefills), "
+            f"decode {r['stats'].get('decode_seconds', 0):.1f} s",
             f"{r['length_mismatches']} replies NOT at their drawn length" if r["length_mismatches"] else "",
         ]
         for k, v in r.items():

@@ -193,3 +193,21 @@ def test_kept_caches_give_way_when_pages_run_short(model):
     assert tight.stats["reused_prompt_tokens"] > 0
     for eng in (tight, roomy):
         assert not eng._kept and sorted(eng._free_pages) == list(range(1, eng.stats["kv_cache_pages"]))
+
+
+def test_when_pages_bound_the_batch_prompts_wait_to_be_prefilled_together(model):
+    """Rows to spare but pages for ~3 requests: admitting whenever a row is free prefills about one
+    prompt per finished reply; waiting for a share of the pages batches them, with the same replies."""
+    requests = workload(24, seed=2)
+
+    def run(fraction: float) -> tuple[list[list[int]], int]:
+        settings = EngineSettings(
+            max_batch=16, max_request_tokens=80, page_size=4, num_pages=3 * 20 + 1, admit_page_fraction=fraction
+        )
+        eng = GenerationEngine(model, stop_ids=[], sampling=GREEDY, settings=settings)
+        return [r.tokens for r in eng.generate(requests)], eng.stats["prefills"]
+
+    eager, eager_prefills = run(0.0)
+    batched, batched_prefills = run(0.5)
+    assert batched == eager
+    assert batched_prefills < eager_prefills / 2

@@ -56,6 +56,9 @@ class EngineSettings:
     compile: bool | None = None  # compile the layers' pointwise work; None: on for CUDA
     num_pages: int | None = None  # KV-cache pages; None: what fits (CUDA) or max_batch full requests (CPU)
     admit_fraction: float = 1 / 32  # prefill once this share of the rows is free (fewer, larger prefills)
+    # ... and this share of the KV-cache pages (free or kept): when pages, not rows, bound the batch
+    # (long contexts), each finished reply would otherwise let one or two prompts in, one prefill each
+    admit_page_fraction: float = 1 / 32
     graph_bucket_step: int = 64  # CUDA graphs for every multiple of this many rows (see graph_buckets)
     reuse_prefixes: bool = True  # honour Request.keep_cache (off: every request prefills its whole prompt)
 
@@ -165,6 +168,8 @@ class GenerationEngine:
         self._queue: deque[tuple[Hashable, Request]] = deque()
         self._running: dict[int, _Running] = {}
         self._kept: OrderedDict[Hashable, _Kept] = OrderedDict()  # oldest first
+        self._kept_pages = 0
+        self._pages_to_admit = int((pages - 1) * settings.admit_page_fraction)
         self._context_tokens = 0  # cached tokens of the running requests: what the next decode step reads
         use_graphs = settings.cuda_graphs if settings.cuda_graphs is not None else self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
@@ -232,6 +237,7 @@ class GenerationEngine:
         kept = self._kept.pop(request_id, None)
         if kept is not None:
             self._free_pages.extend(kept.pages)
+            self._kept_pages -= len(kept.pages)
 
     @property
     def running(self) -> int:
@@ -259,7 +265,10 @@ class GenerationEngine:
         every running request; returns the requests that finished in this step."""
         finished: list[tuple[Hashable, Reply]] = []
         free_needed = max(1, int(self.settings.max_batch * self.settings.admit_fraction))
-        if self._queue and (len(self._free_slots) >= free_needed or len(self._running) < free_needed):
+        room = len(self._free_slots) >= free_needed and (
+            len(self._free_pages) + self._kept_pages >= self._pages_to_admit
+        )
+        if self._queue and (room or len(self._running) < free_needed):
             finished += self._admit()
         if self._running:
             finished += self._decode()
@@ -309,6 +318,7 @@ class GenerationEngine:
         """A row for the request: its kept pages first (all of them or as many as it needs), then new ones."""
         kept = self._kept.pop(request_id, None)
         own = [] if kept is None else kept.pages
+        self._kept_pages -= len(own)
         self._free_pages.extend(own[pages:])
         own = own[:pages]
         own += [self._free_pages.pop() for _ in range(pages - len(own))]
@@ -446,3 +456,4 @@ class GenerationEngine:
         self._free_pages.extend(run.pages[used:])
         self.release(run.request_id)  # a cache that an earlier request of this id left and none took
         self._kept[run.request_id] = _Kept(tokens, run.pages[:used])
+        self._kept_pages += used
