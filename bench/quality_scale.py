@@ -436,7 +436,7 @@ def run_summary(run: Path) -> dict:
                 "train_tokens": r["step"] * tokens_per_step,
                 "offline_tau": r["tau"],
                 # the same held-out replies along the chain greedy decoding takes (train.decode_tau)
-                **{key: r[key] for key in ("tau_decode", "ce_loss", "selector_loss") if key in r},
+                **{key: r[key] for key in ("tau_decode", "tau_decode_head", "ce_loss", "selector_loss") if key in r},
             }
             for r in records
             if r.get("type") == "eval"

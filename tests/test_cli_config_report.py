@@ -84,7 +84,10 @@ def test_report_draws_dflash2_loss_terms_beside_the_loss(tmp_path, monkeypatch):
     from dflash_pipeline.train import report
 
     rows = [{"step": s, "loss": 9.0 / s, "ce_loss": 6.0 / s, "selector_loss": 3.0 / s} for s in range(1, 11)]
-    evals = [{"step": 10, "type": "eval", "tau": 1.5, "tau_decode": 1.4, "ce_loss": 0.7, "selector_loss": 0.4}]
+    evals = [
+        {"step": 10, "type": "eval", "tau": 1.5, "tau_decode": 1.4, "tau_decode_head": 1.3}
+        | {"ce_loss": 0.7, "selector_loss": 0.4}
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + evals))
     drawn = {}
     real_plot = Axes.plot
@@ -105,6 +108,7 @@ def test_report_draws_dflash2_loss_terms_beside_the_loss(tmp_path, monkeypatch):
         "held-out selector_loss": ([10], [0.4]),
         "drawn anchors (tau)": ([10], [1.5]),  # the tau panel
         "decoding chain (tau_decode)": ([10], [1.4]),
+        "chain, first tokens of each reply (tau_decode_head)": ([10], [1.3]),
     }
     plain = [{k: v for k, v in r.items() if k not in ("ce_loss", "selector_loss")} for r in rows]
     assert report.loss_curves(plain, [{"step": 10, "type": "eval", "tau": 1.5}]) == {

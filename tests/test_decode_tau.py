@@ -49,3 +49,15 @@ def test_every_anchor_comes_in_chunks_of_one_batch():
     mask = torch.tensor([F] + [T] * 10)
     chunks = every_anchor(mask, torch.zeros(11, dtype=torch.long), 4)
     assert [c.tolist() for c in chunks] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
+
+
+def test_the_head_counts_only_the_steps_opened_in_each_replys_first_tokens():
+    # doc 0: prompt 0..1, reply 2..9; doc 1: reply 10..15; the chain: 2 -> 5 -> 6 -> 9 and 10 -> 14 -> 15
+    mask = torch.tensor([F, F] + [T] * 14)
+    doc = torch.tensor([0] * 10 + [1] * 6)
+    accepted = torch.ones(16, dtype=torch.long)
+    accepted[[2, 5, 6, 10, 14]] = torch.tensor([3, 1, 3, 4, 1])
+    assert decode_chain(accepted, mask, doc) == (3 + 1 + 3 + 4 + 1, 5)
+    # within 4 tokens of each reply's start: anchors 2 and 5 (not 6), 10 (not 14)
+    assert decode_chain(accepted, mask, doc, within=4) == (3 + 1 + 4, 3)
+    assert decode_chain(accepted, mask, doc, within=100) == decode_chain(accepted, mask, doc)

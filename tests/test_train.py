@@ -318,8 +318,8 @@ def test_training_reduces_loss_and_reports_acceptance(store_dir, tmp_path):
     ]
     assert evals and evals[-1]["tau"] == pytest.approx(result.eval_tau)
     # a DFlash run's eval records: the acceptance over drawn anchors and along the decoding chain
-    assert [list(r) for r in evals] == [["step", "type", "tau", "tau_decode"]]
-    assert 1.0 <= evals[-1]["tau_decode"] <= 8
+    assert [list(r) for r in evals] == [["step", "type", "tau", "tau_decode", "tau_decode_head"]]
+    assert 1.0 <= evals[-1]["tau_decode"] <= 8 and 1.0 <= evals[-1]["tau_decode_head"] <= 8
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert list(first) == ["step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "acc"]
 
@@ -701,11 +701,19 @@ def test_dflash2_ddp_run_equals_single_process_run_and_logs_its_loss_terms(store
             assert r["loss"] == pytest.approx(r["ce_loss"] + 0.5 * r["selector_loss"], rel=1e-6)  # fp32 terms
             assert r["ce_loss"] > 0 and r["selector_loss"] > 0
         assert [list(r) for r in rows if r.get("type") == "eval"] == [
-            ["step", "type", "tau", "tau_decode", "ce_loss", "selector_loss"]
+            ["step", "type", "tau", "tau_decode", "tau_decode_head", "ce_loss", "selector_loss"]
         ]
     for got, want in zip(records[2], records[1], strict=True):
         assert got.keys() == want.keys() and got.get("acc") == want.get("acc")
-        for key in got.keys() & {"loss", "ce_loss", "selector_loss", "grad_norm", "tau", "tau_decode"}:
+        for key in got.keys() & {
+            "loss",
+            "ce_loss",
+            "selector_loss",
+            "grad_norm",
+            "tau",
+            "tau_decode",
+            "tau_decode_head",
+        }:
             assert got[key] == pytest.approx(want[key], rel=1e-5), key
     weights = [load_file(Path(cfg.out) / "drafter" / "model.safetensors") for cfg in (ddp, single)]
     assert weights[0].keys() == weights[1].keys()

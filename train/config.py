@@ -36,6 +36,12 @@ class TrainConfig:
         help="Also log tau_decode: a block at every anchor of the held-out replies, walked along the chain "
         "greedy decoding takes (~30x the evaluation's drafter forwards; minutes per evaluation on a CPU).",
     )
+    eval_decode_head: int = option(
+        96,
+        range=(1, None),
+        help="Also log tau_decode_head: the chain's steps within the first N tokens of each held-out reply, "
+        "what an online evaluation of N new tokens decodes.",
+    )
     loader_workers: int | None = option(  # None: `resolved_loader_workers`
         None,
         range=(0, None),

@@ -22,11 +22,15 @@ def every_anchor(mask: torch.Tensor, doc: torch.Tensor, per_chunk: int) -> list[
     return list(anchor_candidates(mask, doc).split(per_chunk))
 
 
-def decode_chain(accepted: torch.Tensor, mask: torch.Tensor, doc: torch.Tensor) -> tuple[int, int]:
+def decode_chain(
+    accepted: torch.Tensor, mask: torch.Tensor, doc: torch.Tensor, within: int | None = None
+) -> tuple[int, int]:
     """(tokens, steps) of greedy decoding through every reply of a pack: `accepted[p]` is the
     acceptance length of the block opened at anchor p (other positions are not read). A reply is a
     run of loss-masked positions of one document; decoding starts at its first token (the one the
-    prefill produced) and opens blocks until the anchor reaches the reply's last token."""
+    prefill produced) and opens blocks until the anchor reaches the reply's last token. With
+    `within`, only the steps opened within a reply's first `within` positions count: what an online
+    evaluation of that many new tokens decodes (a reply the pack cut counts from the pack's start)."""
     in_reply = mask.bool()
     # boundary[i]: a new run of positions begins at i (the document or the loss mask changes there)
     boundary = torch.ones(len(mask) + 1, dtype=torch.bool)
@@ -37,7 +41,8 @@ def decode_chain(accepted: torch.Tensor, mask: torch.Tensor, doc: torch.Tensor) 
     tokens = steps = 0
     for first, last in zip(firsts, lasts):
         p = first
-        while p < last:  # the reply's last token opens no block: nothing is left to draft
+        end = last if within is None else min(last, first + within)
+        while p < end:  # the reply's last token opens no block: nothing is left to draft
             if length[p] < 1:
                 raise ValueError(f"anchor {p} has no acceptance length (each is >= 1)")
             tokens += length[p]

@@ -390,11 +390,11 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """The held-out packs of all ranks, the drafter in eval mode: the mean offline acceptance length
-        over the drawn anchors (`tau`), the acceptance greedy decoding would see (`tau_decode`, unless
-        --no-eval-decode) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as weighted means."""
+        over the drawn anchors (`tau`), the acceptance greedy decoding would see (`tau_decode`, and
+        `tau_decode_head` over each reply's first `eval_decode_head` tokens; unless --no-eval-decode) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as weighted means."""
         self.model.eval()
         total, count, weight, terms = 0.0, 0, 0.0, {}
-        chain_tokens = chain_steps = 0
+        chain = [0, 0, 0, 0]  # tokens and steps of the whole chain, then of its head
         for pack in self.eval_packs:
             ctx, blocks_batch = self.eval_context(pack)
             batch, pack_weight, stats = blocks_batch(draw_anchors(ctx, self.spec, self.cfg.seed, EVAL_EPOCH))
@@ -405,28 +405,32 @@ class Trainer:
             for key, value in loss_term_sums(stats).items():
                 terms[key] = terms.get(key, 0.0) + value
             if self.cfg.eval_decode:
-                tokens, steps = self.decode_chain_of(ctx, blocks_batch)
-                chain_tokens += tokens
-                chain_steps += steps
-        total, count, weight, chain_tokens, chain_steps, *sums = all_sum(
-            [total, float(count), weight, float(chain_tokens), float(chain_steps), *terms.values()], self.device
+                chain = [a + b for a, b in zip(chain, self.decode_chain_of(ctx, blocks_batch))]
+        total, count, weight, *sums = all_sum(
+            [total, float(count), weight, *map(float, chain), *terms.values()], self.device
         )
+        (tokens, steps, head_tokens, head_steps), sums = sums[:4], sums[4:]
         self.model.train()
-        decode = {"tau_decode": chain_tokens / chain_steps if chain_steps else float("nan")}
+        decode = {
+            "tau_decode": tokens / steps if steps else float("nan"),
+            "tau_decode_head": head_tokens / head_steps if head_steps else float("nan"),
+        }
         return {
             "tau": total / count if count else float("nan"),
             **(decode if self.cfg.eval_decode else {}),
             **{key: value / max(weight, 1e-12) for key, value in zip(terms, sums)},
         }
 
-    def decode_chain_of(self, ctx: PackContext, blocks_batch: Callable) -> tuple[int, int]:
-        """(tokens, steps) of greedy decoding through the pack's held-out replies: a block at every
-        anchor, then the chain through their acceptance lengths (`train.decode_tau`)."""
+    def decode_chain_of(self, ctx: PackContext, blocks_batch: Callable) -> tuple[int, int, int, int]:
+        """(tokens, steps) of greedy decoding through the pack's held-out replies, then the same for
+        the first `eval_decode_head` tokens of each: a block at every anchor, then the chain through
+        their acceptance lengths (`train.decode_tau`)."""
         lengths = torch.zeros(self.spec.pack_tokens, dtype=torch.long)
         for anchors in every_anchor(ctx.mask, ctx.doc, self.spec.num_blocks):
             batch, _, stats = blocks_batch(anchors)
             lengths[anchors] = block_acceptance(batch, stats["pred"], self.spec.block_size).long().cpu()
-        return decode_chain(lengths, ctx.mask, ctx.doc)
+        head = decode_chain(lengths, ctx.mask, ctx.doc, within=self.cfg.eval_decode_head)
+        return (*decode_chain(lengths, ctx.mask, ctx.doc), *head)
 
     def eval_context(self, pack: list[int]) -> tuple[PackContext, Callable]:
         """A held-out pack's context read once (its states on the device) and a function from anchors

@@ -54,7 +54,11 @@ def draw(run: Path, png: Path) -> Path:
         ax_loss.legend()
     ax_loss.set(xlabel="step", ylabel="weighted loss", title="training loss")
     ax_loss.grid(alpha=0.3)
-    for key, label in (("tau", "drawn anchors (tau)"), ("tau_decode", "decoding chain (tau_decode)")):
+    for key, label in (
+        ("tau", "drawn anchors (tau)"),
+        ("tau_decode", "decoding chain (tau_decode)"),
+        ("tau_decode_head", "chain, first tokens of each reply (tau_decode_head)"),
+    ):
         points = [(r["step"], r[key]) for r in evals if key in r]
         if points:
             ax_tau.plot(*zip(*points), marker="o", label=label)
