@@ -323,7 +323,7 @@ def evaluate(args) -> None:
     jobs: dict[str, Evaluation] = {}
     for run in eval_runs(args):
         for temperature in args.temperature:
-            stem = f"eval_{run.name}_T{temperature:g}"
+            stem = f"eval_{run.name}_T{temperature:g}_N{args.max_new_tokens}"
             report = args.out / f"{stem}.json"
             if report.exists():
                 continue
@@ -349,7 +349,9 @@ def evaluate(args) -> None:
                 "--json",
                 str(report),
             ]
-            jobs[stem] = Evaluation(f"{run.name} T={temperature:g}", cmd, args.out / "logs" / f"{stem}.log", report)
+            jobs[stem] = Evaluation(
+                f"{run.name} T={temperature:g} N={args.max_new_tokens}", cmd, args.out / "logs" / f"{stem}.log", report
+            )
     if not jobs:
         return
     (args.out / "logs").mkdir(exist_ok=True)
@@ -452,6 +454,7 @@ def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
         "file": path.name,
         "run": Path(r["drafter"]).parent.name,
         "temperature": r["sampling"]["temperature"],
+        "max_new_tokens": r["max_new_tokens"],
         "tau": r["tau"],
         "tau_pooled": r["tau_pooled"],
         "speedup": r["speedup"],

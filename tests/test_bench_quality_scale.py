@@ -176,16 +176,16 @@ def test_regenerate_passes_the_generation_batch_on(tmp_path: Path, monkeypatch: 
 @pytest.mark.slow
 def test_evaluations_run_two_at_a_time_and_say_so(scale_run: SimpleNamespace) -> None:
     out = scale_run.out
-    assert sorted(p.name for p in out.glob("eval_*.json")) == ["eval_on_bf16_T0.json", "eval_on_fp8_T0.json"]
-    assert sorted(p.name for p in (out / "logs").iterdir()) == ["eval_on_bf16_T0.log", "eval_on_fp8_T0.log"]
+    assert sorted(p.name for p in out.glob("eval_*.json")) == ["eval_on_bf16_T0_N8.json", "eval_on_fp8_T0_N8.json"]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["eval_on_bf16_T0_N8.log", "eval_on_fp8_T0_N8.log"]
     finished = [line for line in scale_run.logs["evaluate"].splitlines() if ": tau " in line]
-    assert sorted(line.split(":")[0] for line in finished) == ["evaluate on_bf16 T=0", "evaluate on_fp8 T=0"]
+    assert sorted(line.split(":")[0] for line in finished) == ["evaluate on_bf16 T=0 N=8", "evaluate on_fp8 T=0 N=8"]
     seconds = json.loads((out / "seconds.json").read_text())
     assert "evaluate (2 at a time)" in seconds and not any(k.startswith("evaluate on_") for k in seconds)
     rows = {row["run"]: row for row in scale_run.report["evaluations"]}
-    assert {run: (row["concurrent"], row["temperature"]) for run, row in rows.items()} == {
-        "on_fp8": (2, 0.0),
-        "on_bf16": (2, 0.0),
+    assert {run: (row["concurrent"], row["temperature"], row["max_new_tokens"]) for run, row in rows.items()} == {
+        "on_fp8": (2, 0.0, 8),
+        "on_bf16": (2, 0.0, 8),
     }
     assert all(row["all_lossless"] for row in rows.values())
 
@@ -199,11 +199,11 @@ def test_a_failed_evaluation_fails_the_stage_after_the_others(scale_run: SimpleN
     evaluate += ["--target", str(scale_run.target), "--limit", "1", "--max-new-tokens", "8", "--temperature", "0"]
     done = stage("evaluate", *evaluate, "--parallel", "2", "--runs", "broken", "--runs", "good")
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1] == "quality_scale evaluate: 1 of 2 failed: broken T=0"
-    assert "evaluate broken T=0: failed (exit code " in done.stdout
-    assert "evaluate good T=0: tau " in done.stdout
-    assert (tmp_path / "eval_good_T0.json").exists() and not (tmp_path / "eval_broken_T0.json").exists()
-    assert list(json.loads((tmp_path / "evaluations.json").read_text())) == ["eval_good_T0.json"]
+    assert done.stderr.strip().splitlines()[-1] == "quality_scale evaluate: 1 of 2 failed: broken T=0 N=8"
+    assert "evaluate broken T=0 N=8: failed (exit code " in done.stdout
+    assert "evaluate good T=0 N=8: tau " in done.stdout
+    assert (tmp_path / "eval_good_T0_N8.json").exists() and not (tmp_path / "eval_broken_T0_N8.json").exists()
+    assert list(json.loads((tmp_path / "evaluations.json").read_text())) == ["eval_good_T0_N8.json"]
     with pytest.raises(SystemExit, match="--runs nothing: no drafter"):
         main(["evaluate", *evaluate, "--runs", "nothing"])
 
