@@ -13,6 +13,11 @@ its `max_new_tokens` and nothing stops it earlier (engine: no stop ids; HF: a lo
 the eos id before the drawn length and forces it there), so requests end unevenly, like chat replies,
 and every contender generates exactly the drawn tokens. Rates count those useful tokens per wall
 second (prefill included) after a short warm-up call.
+Real conversations (`--chat FILE` with `--target`): the first `--requests` records of FILE (.jsonl,
+or .jsonl.xz as bench/quality_scale.py packs them) go through `dflash-extract --regenerate`'s own
+path (`regenerate_records`, the target's chat template, greedy, `--max-reply` new tokens), once per
+`--reuse-prefixes` value: generated tok/s, prompt tokens prefilled and cached, and how many
+conversations came out identical. Then nothing else runs.
 Multi-turn chat (`--turns N`, engine only): each of the `--requests` conversations asks N times; turn
 t's prompt is turn t-1's prompt, its reply and a new user turn (lengths in [8, 512], mean
 `--mean-user-turn`), as a chat template lays them out. `--reuse-prefixes on --reuse-prefixes off`
@@ -223,6 +228,60 @@ def converse(engine, conversations: list[Conversation], keep: bool = True, rewri
             if len(replies[c]) < len(conversations[c]):
                 ask(c)
     return asked, replies
+
+
+def chat_records(path: Path, n: int) -> list:
+    """The first `n` records of a .jsonl or .jsonl.xz file, as (input index, Record) pairs."""
+    import lzma
+    from itertools import islice
+
+    from dflash_pipeline.data.records import iter_records
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if path.suffix == ".xz":
+            plain = Path(tmp) / path.stem
+            plain.write_bytes(lzma.decompress(path.read_bytes()))
+            path = plain
+        return [(r.index, r) for r in islice(iter_records(path), n)]
+
+
+def run_chat(model, records: list, batch: int, knobs: dict, args) -> tuple[dict, list]:
+    """One `regenerate_records` pass over real conversations (module doc): the row, and every record's
+    messages as regenerated."""
+    from dflash_pipeline.extract.regenerate import RegenerateSettings, regenerate_records
+    from dflash_pipeline.shared.generation.engine import EngineSettings
+    from dflash_pipeline.shared.target.assets import load_tokenizer
+
+    tokenizer = load_tokenizer(args.target)
+    settings = RegenerateSettings(max_new_tokens=args.max_reply)
+    engine = EngineSettings(max_batch=batch, page_size=args.page_size, **knobs)
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        out, stats, timing = regenerate_records(
+            records,
+            lambda: model,
+            tokenizer,
+            settings,
+            max_length=args.chat_max_length,
+            cache=Path(tmp) / "cache.jsonl",
+            engine=engine,
+        )
+        wall = time.perf_counter() - t
+    row = {
+        "contender": "regenerate_records",
+        "batch": batch,
+        **knobs,
+        "conversations": stats.conversations,
+        "replies": stats.replies,
+        "generated_tokens": timing.tokens,
+        "unfinished": stats.unfinished,
+        "seconds": timing.seconds,
+        "wall_seconds": wall,
+        "tokens_per_s": timing.tokens / timing.seconds if timing.seconds else float("nan"),
+        "prefilled_tokens": timing.prefilled_tokens,
+        "cached_tokens": timing.cached_tokens,
+    }
+    return row, [r.messages for _, r in out]
 
 
 def first_turns(conversations: list[Conversation]) -> tuple[list[list[int]], list[int]]:
@@ -749,6 +808,8 @@ def parse_args(argv=None):
         default=None,
         help="conversations (requests when --turns 1) [default: 2000 on CUDA, 64 on CPU]",
     )
+    ap.add_argument("--chat", type=Path, default=None, help="real conversations (module doc; needs --target)")
+    ap.add_argument("--chat-max-length", type=int, default=2048, help="--chat: dflash-extract's --max-length")
     ap.add_argument(
         "--turns", type=int, default=1, help="turns per conversation (module doc); HF runs first turns only"
     )
@@ -884,10 +945,35 @@ def parse_args(argv=None):
     args.admit_page_fraction = args.admit_page_fraction or [EngineSettings.admit_page_fraction]
     if args.turns < 1:
         ap.error("need --turns >= 1")
+    if args.chat and not args.target:
+        ap.error("--chat needs --target (a real model with its chat template)")
     args.baseline_batch = [] if args.skip_baseline else (args.baseline_batch or [32, 256])
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error("need 1 <= --min-prompt <= --max-prompt")
     return args
+
+
+def main_chat(model, what: str, args, device: torch.device) -> dict:
+    """`--chat`: the real-conversation rows alone (module doc)."""
+    records = chat_records(args.chat, args.requests)
+    result = {"model": what, "device": str(device), "chat": str(args.chat), "records": len(records), "rows": []}
+    outputs = []
+    for batch, reuse, pages in itertools.product(args.batch, args.reuse_prefixes, args.admit_page_fraction):
+        knobs = {"reuse_prefixes": reuse, "admit_page_fraction": pages}
+        row, messages = run_chat(model, records, batch, knobs, args)
+        row["identical_to_first_row"] = sum(a == b for a, b in zip(messages, outputs[0])) if outputs else None
+        outputs.append(messages)
+        result["rows"].append(row)
+        free(device)
+        same = f"; {row['identical_to_first_row']}/{len(messages)} records as the first row's" if outputs[1:] else ""
+        print(
+            f"chat B={batch} reuse {'on' if reuse else 'off'} admit pages {pages:g}: {row['tokens_per_s']:,.0f} "
+            f"generated tok/s ({row['generated_tokens']:,} in {row['seconds']:.1f} s, {row['replies']} replies); "
+            f"prompts {row['prefilled_tokens']:,} prefilled + {row['cached_tokens']:,} cached{same}",
+            flush=True,
+        )
+    emit(result, args.json)
+    return result
 
 
 def free(device: torch.device) -> None:
@@ -901,6 +987,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     model, allowed, eos, what = load_model(args, device, dtype)
+    if args.chat:
+        return main_chat(model, what, args, device)
     conversations = draw_workload(args, allowed)
     prompts, lengths = first_turns(conversations)
     all_lengths = [L for c in conversations for _, L in c]

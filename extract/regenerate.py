@@ -95,6 +95,8 @@ class GenerationTiming:
 
     tokens: int = 0
     seconds: float = 0.0
+    prefilled_tokens: int = 0  # prompt tokens run through the target
+    cached_tokens: int = 0  # prompt tokens whose keys/values the conversation's earlier turn left
 
 
 def read_cache(path: Path) -> dict[int, dict]:
@@ -342,11 +344,12 @@ def _generate(
         sink.sync()
     bar.close()
     timing.tokens, timing.seconds = engine.stats["generated_tokens"], time.perf_counter() - started
+    timing.prefilled_tokens, timing.cached_tokens = engine.stats["prefill_tokens"], engine.stats["reused_prompt_tokens"]
     if rank == 0:
-        reused, computed = engine.stats["reused_prompt_tokens"], engine.stats["prefill_tokens"]
         progress_note(
-            f"regenerate rank 0: prompts of {reused + computed:,} tokens, {computed:,} prefilled, "
-            f"{reused:,} already cached by the conversation's earlier turn"
+            f"regenerate rank 0: prompts of {timing.prefilled_tokens + timing.cached_tokens:,} tokens, "
+            f"{timing.prefilled_tokens:,} prefilled, {timing.cached_tokens:,} already cached by the "
+            "conversation's earlier turn"
         )
     return regenerator.done
 

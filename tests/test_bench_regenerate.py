@@ -107,3 +107,22 @@ def test_draw_lengths_hits_the_mean_within_the_range() -> None:
     lengths = draw_lengths(np.random.default_rng(0), 2000, 64, 1024, 300, 0.7)
     assert lengths.min() >= 64 and lengths.max() <= 1024
     assert abs(lengths.mean() - 300) < 1
+
+
+def test_bench_regenerate_chat_runs_real_conversations_with_and_without_reuse(tiny_target_dir, tmp_path: Path) -> None:
+    """`--chat`: the first records of a conversation file through regenerate_records twice; with reuse
+    the later turns' prompts come partly from the cache, and the conversations come out the same."""
+    sample = Path(__file__).parents[1] / "data" / "sample" / "conversations.jsonl"
+    multi = [line for line in sample.read_text().splitlines() if line.count('"assistant"') + line.count('"gpt"') > 1]
+    chat = tmp_path / "multi.jsonl"
+    chat.write_text("\n".join(multi[:5]) + "\n")
+    args = ["--device", "cpu", "--target", str(tiny_target_dir), "--chat", str(chat), "--requests", "5"]
+    args += ["--max-reply", "6", "--batch", "3", "--reuse-prefixes", "on", "--reuse-prefixes", "off"]
+    result = main([*args, "--json", str(tmp_path / "chat.json")])
+    on, off = result["rows"]
+    assert (on["reuse_prefixes"], off["reuse_prefixes"]) == (True, False)
+    assert on["replies"] == off["replies"] > 5 and on["generated_tokens"] == off["generated_tokens"]
+    assert on["cached_tokens"] > 0 and off["cached_tokens"] == 0
+    assert on["prefilled_tokens"] + on["cached_tokens"] == off["prefilled_tokens"]
+    assert off["identical_to_first_row"] == 5
+    assert json.loads((tmp_path / "chat.json").read_text())["records"] == 5
