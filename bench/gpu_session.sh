@@ -4,7 +4,7 @@
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
 # .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels / .carry_b/wheels
 # (a superset, downloaded by bench/carry_assets.py).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality scale
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality scale chat
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
@@ -91,6 +91,12 @@ for s in $steps; do
       set +e; bash bench/scale_plan.sh "${SCALE_PLAN:-bench/plans/scale_dflash_dflash2.plan}" /tmp/qs/run .carry_b/scale \
         /tmp/qs/target '"$OUT"'/quality_scale.json $t0
       rc=$?; [ -f '"$OUT"'/quality_scale.json ] && cat '"$OUT"'/quality_scale.json; exit $rc' ;;
+    # real conversations through regenerate_records with and without prefix reuse, on the SmolLM2 folder
+    # that a scale step made on this machine (bench/regenerate.py --chat; CHAT_ARGS appends flags)
+    chat) step chat 200 bash -c '
+      [ -d /tmp/qs/target ] || { echo "no /tmp/qs/target: run the scale step on this machine first"; exit 1; }
+      python3 -m bench.regenerate --target /tmp/qs/target --chat .carry_b/scale/train_conversations.jsonl.xz \
+        --reuse-prefixes on --reuse-prefixes off --json '"$OUT"'/chat.json '"${CHAT_ARGS:-}"'' ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done
