@@ -50,7 +50,9 @@ from bench.compression import installed_sharegpt
 from bench.quality import mask_token_id, normalised, untrained_copy
 from dflash_pipeline.demo import run_step
 from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.train.config import TrainConfig
 
+HEAD_TOKENS = TrainConfig.eval_decode_head  # online tau split where the trainer's tau_decode_head ends
 TRAIN_FILE, EVAL_FILE, DOMAINS_FILE = "train_conversations.jsonl.xz", "eval_prompts.jsonl", "eval_domains.json"
 EVALUATIONS_FILE = "evaluations.json"  # per evaluation report: how many ran at once, its seconds, its log
 DOMAINS = ("code", "math", "writing", "other")
@@ -446,10 +448,25 @@ def run_summary(run: Path) -> dict:
     }
 
 
+def head_and_tail(accepted: list[list[int]], head: int) -> tuple[float | None, float | None]:
+    """Pooled tau (tokens over steps) of the decoding steps opened within the first `head` new tokens
+    of each output, and of the rest: the online counterpart of the trainer's tau_decode_head. A step's
+    anchor is the token before the ones it yields (the first is the prefill's), as in train.decode_tau."""
+    parts: tuple[list[int], list[int]] = ([], [])
+    for steps in accepted:
+        offset = 0
+        for a in steps:
+            parts[offset >= head].append(a)
+            offset += a
+    return tuple(sum(p) / len(p) if p else None for p in parts)  # type: ignore[return-value]
+
+
 def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
-    """One dflash-eval report: tau (per domain too), speedup, and how many evaluations ran at once
-    (`concurrent`, from EVALUATIONS_FILE; None for a report it does not list)."""
+    """One dflash-eval report: tau (per domain too, and pooled over the first HEAD_TOKENS new tokens
+    and after them), speedup, and how many evaluations ran at once (`concurrent`, from
+    EVALUATIONS_FILE; None for a report it does not list)."""
     r = json.loads(path.read_text())
+    head, tail = head_and_tail([p["accepted"] for p in r["per_prompt"]], HEAD_TOKENS)
     row = {
         "file": path.name,
         "run": Path(r["drafter"]).parent.name,
@@ -457,6 +474,8 @@ def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
         "max_new_tokens": r["max_new_tokens"],
         "tau": r["tau"],
         "tau_pooled": r["tau_pooled"],
+        f"tau_pooled_first{HEAD_TOKENS}": head,
+        f"tau_pooled_after{HEAD_TOKENS}": tail,
         "speedup": r["speedup"],
         "concurrent": index.get(path.name, {}).get("concurrent"),
         "all_lossless": r["all_lossless"],

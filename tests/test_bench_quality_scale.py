@@ -188,6 +188,8 @@ def test_evaluations_run_two_at_a_time_and_say_so(scale_run: SimpleNamespace) ->
         "on_bf16": (2, 0.0, 8),
     }
     assert all(row["all_lossless"] for row in rows.values())
+    assert all(row["tau_pooled_first96"] >= 1 for row in rows.values())  # 8 new tokens: no step after 96
+    assert all(row["tau_pooled_after96"] is None for row in rows.values())
 
 
 @pytest.mark.slow
@@ -265,3 +267,11 @@ def test_scale_plan_skips_a_line_past_its_deadline_and_still_reports(tmp_path: P
     assert done.returncode == 1
     assert done.stdout == "--- plan line 2: train --name x: skipped, its deadline (60 s) has passed\n"
     assert json.loads((tmp_path / "report.json").read_text())["runs"] == {}
+
+
+def test_online_tau_splits_where_the_trainers_head_ends() -> None:
+    from bench.quality_scale import head_and_tail
+
+    # prompt 1 anchors at offsets 0, 3 (head of 4), then 4 and 6; prompt 2's only step at 0
+    assert head_and_tail([[3, 1, 2, 5], [1]], 4) == ((3 + 1 + 1) / 3, (2 + 5) / 2)
+    assert head_and_tail([[2, 2]], 100) == (2.0, None)
