@@ -8,8 +8,8 @@ tokens are computed, attending to the cached ones), and a one-token decode step 
 each attend to their own pages (no padding, fixed shapes, so it can be captured once as a CUDA
 graph). And one regrouping: each layer's q/k/v projections, and its MLP's gate/up projections,
 become row blocks of one weight (`fuse_projections`, in place: the HF modules then hold views of
-it), so a decode step runs two matmuls where it ran five. At decode sizes the k/v projections (1,024 output columns for an 8B
-target) are too narrow to fill the GPU alone.
+it), so a decode step runs two matmuls where it ran five. At decode sizes the k/v projections
+(1,024 output columns for an 8B target) are too narrow to fill the GPU alone.
 """
 
 from __future__ import annotations
