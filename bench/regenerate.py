@@ -18,6 +18,11 @@ or .jsonl.xz as bench/quality_scale.py packs them) go through `dflash-extract --
 path (`regenerate_records`, the target's chat template, greedy, `--max-reply` new tokens), once per
 `--reuse-prefixes` value: generated tok/s, prompt tokens prefilled and cached, and how many
 conversations came out identical. Then nothing else runs.
+Schedule replay (`--replay-pages N`): the engine's own admission, paging and reuse decisions over
+the workload, with a decoder that computes nothing (its logits are zeros, and nothing stops a reply
+early, so the schedule depends on the lengths alone), on a pool of N pages (a GPU run's
+`kv_cache_pages`): prefills, prompt tokens, decode steps and rows per knob setting, on any machine,
+in seconds. Then nothing else runs.
 Multi-turn chat (`--turns N`, engine only): each of the `--requests` conversations asks N times; turn
 t's prompt is turn t-1's prompt, its reply and a new user turn (lengths in [8, 512], mean
 `--mean-user-turn`), as a chat template lays them out. `--reuse-prefixes on --reuse-prefixes off`
@@ -284,6 +289,42 @@ def run_chat(model, records: list, batch: int, knobs: dict, args) -> tuple[dict,
     return row, [r.messages for _, r in out]
 
 
+class _NoComputeDecoder:
+    """A PagedDecoder's interface with zero logits and no work: what the engine schedules is then
+    visible without the model's cost (`--replay-pages`)."""
+
+    def __init__(self, cache, vocab: int):
+        self.cache, self.vocab = cache, vocab
+
+    def prefill(self, tokens, positions, cache_index, lengths, context_index=None, context_lengths=None):
+        return torch.zeros(len(lengths), self.vocab)
+
+    def decode(self, tokens, positions, block_table):
+        return torch.zeros(len(tokens), self.vocab)
+
+
+def replay_schedule(model, conversations: list[Conversation], batch: int, knobs: dict, pages: int, args) -> dict:
+    """The engine's schedule of the conversations on a pool of `pages` pages (module doc)."""
+    from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine
+    from dflash_pipeline.shared.generation.sampling import SamplingParams
+
+    settings = EngineSettings(
+        max_batch=batch,
+        max_request_tokens=max(sum(len(new) + L for new, L in c) for c in conversations),
+        page_size=args.page_size,
+        num_pages=pages,
+        cuda_graphs=False,
+        compile=False,
+        **knobs,
+    )
+    engine = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings)
+    engine.decoder = _NoComputeDecoder(engine.decoder.cache, model.config.vocab_size)
+    converse(engine, conversations)
+    st = engine.stats
+    keys = ("prefills", "prefill_tokens", "reused_prompt_tokens", "decode_steps", "kv_tokens_read", "evicted_caches")
+    return {"batch": batch, **knobs, **{k: st[k] for k in keys}, "mean_rows": st["decode_rows"] / st["decode_steps"]}
+
+
 def first_turns(conversations: list[Conversation]) -> tuple[list[list[int]], list[int]]:
     """Prompts and reply lengths of the conversations' first turns (what the single-turn contenders run)."""
     return [c[0][0] for c in conversations], [c[0][1] for c in conversations]
@@ -338,7 +379,7 @@ def stats_of_call(before: dict, after: dict) -> dict:
 
 def run_engine(model, conversations: list[Conversation], batch: int, sampled: bool, knobs: dict, args, device) -> dict:
     """One engine row; `knobs`: the EngineSettings fields that vary between rows (graph_bucket_step,
-    reuse_prefixes, admit_page_fraction)."""
+    reuse_prefixes, admit_page_fraction, admit_wait_steps)."""
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
@@ -384,6 +425,7 @@ def run_engine(model, conversations: list[Conversation], batch: int, sampled: bo
         "bucket_step": knobs["graph_bucket_step"],
         "reuse_prefixes": knobs["reuse_prefixes"],
         "admit_page_fraction": knobs["admit_page_fraction"],
+        "admit_wait_steps": knobs["admit_wait_steps"],
         "sampling": "sampled" if sampled else "greedy",
         "conversations": len(conversations),
         "requests": len(replies),
@@ -808,6 +850,9 @@ def parse_args(argv=None):
         default=None,
         help="conversations (requests when --turns 1) [default: 2000 on CUDA, 64 on CPU]",
     )
+    ap.add_argument(
+        "--replay-pages", type=int, default=None, help="replay the engine's schedule on this many pages (module doc)"
+    )
     ap.add_argument("--chat", type=Path, default=None, help="real conversations (module doc; needs --target)")
     ap.add_argument("--chat-max-length", type=int, default=2048, help="--chat: dflash-extract's --max-length")
     ap.add_argument(
@@ -838,6 +883,13 @@ def parse_args(argv=None):
         help="engine capacity of one request [default: the longest prompt + reply drawn]",
     )
     ap.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument(
+        "--admit-wait-steps",
+        type=int,
+        action="append",
+        default=None,
+        help="engine admit_wait_steps, repeatable: one engine run per value [default: the engine's]",
+    )
     ap.add_argument(
         "--admit-page-fraction",
         type=float,
@@ -943,6 +995,7 @@ def parse_args(argv=None):
     args.bucket_step = args.bucket_step or [EngineSettings.graph_bucket_step]
     args.reuse_prefixes = [v == "on" for v in args.reuse_prefixes or ["on"]]
     args.admit_page_fraction = args.admit_page_fraction or [EngineSettings.admit_page_fraction]
+    args.admit_wait_steps = args.admit_wait_steps or [EngineSettings.admit_wait_steps]
     if args.turns < 1:
         ap.error("need --turns >= 1")
     if args.chat and not args.target:
@@ -951,6 +1004,26 @@ def parse_args(argv=None):
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error("need 1 <= --min-prompt <= --max-prompt")
     return args
+
+
+def main_replay(model, conversations: list[Conversation], args) -> dict:
+    """`--replay-pages`: the schedule of every knob setting alone (module doc)."""
+    rows = []
+    for batch, reuse, pages, wait in itertools.product(
+        args.batch, args.reuse_prefixes, args.admit_page_fraction, args.admit_wait_steps
+    ):
+        knobs = {"reuse_prefixes": reuse, "admit_page_fraction": pages, "admit_wait_steps": wait}
+        row = replay_schedule(model, conversations, batch, knobs, args.replay_pages, args)
+        rows.append(row)
+        print(
+            f"replay B={batch} reuse {'on' if reuse else 'off'} admit pages {pages:g} wait {wait}: "
+            f"{row['prefills']} prefills of {row['prefill_tokens']:,} tokens ({row['reused_prompt_tokens']:,} cached), "
+            f"{row['decode_steps']} decode steps at {row['mean_rows']:.1f} rows, {row['evicted_caches']} caches evicted",
+            flush=True,
+        )
+    result = {"replay_pages": args.replay_pages, "conversations": len(conversations), "turns": args.turns, "rows": rows}
+    emit(result, args.json)
+    return result
 
 
 def main_chat(model, what: str, args, device: torch.device) -> dict:
@@ -989,6 +1062,8 @@ def main(argv=None) -> dict:
     model, allowed, eos, what = load_model(args, device, dtype)
     if args.chat:
         return main_chat(model, what, args, device)
+    if args.replay_pages:
+        return main_replay(model, draw_workload(args, allowed), args)
     conversations = draw_workload(args, allowed)
     prompts, lengths = first_turns(conversations)
     all_lengths = [L for c in conversations for _, L in c]
@@ -1125,17 +1200,23 @@ def main(argv=None) -> dict:
                 f"{r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms ({r['speedup']:.2f}x)"
             ),
         )
-    for batch, step, reuse, pages, sampled in itertools.product(
+    for batch, step, reuse, pages, wait, sampled in itertools.product(
         args.batch,
         args.bucket_step,
         args.reuse_prefixes,
         args.admit_page_fraction,
+        args.admit_wait_steps,
         [False, True] if args.sampled else [False],
     ):
-        knobs = {"graph_bucket_step": step, "reuse_prefixes": reuse, "admit_page_fraction": pages}
+        knobs = {
+            "graph_bucket_step": step,
+            "reuse_prefixes": reuse,
+            "admit_page_fraction": pages,
+            "admit_wait_steps": wait,
+        }
         name = (
             f"engine batch {batch} bucket step {step} reuse {'on' if reuse else 'off'} "
-            f"admit pages {pages:g}{' sampled' if sampled else ''}"
+            f"admit pages {pages:g} wait {wait}{' sampled' if sampled else ''}"
         )
         row = attempt(
             name,
@@ -1216,14 +1297,15 @@ def print_summary(result: dict, args) -> None:
     )
     hf_batches = [r["batch"] for r in result["hf_generate"]]
     print(
-        f"{'contender':<40}{'reqs':>5}{'tokens':>10}{'tok/s':>8}"
+        f"{'contender':<46}{'reqs':>5}{'tokens':>10}{'tok/s':>8}"
         + "".join(f"{'/HF' + str(b):>8}" for b in hf_batches)
         + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}"
     )
     for r in result["engine"]:
         name = f"engine {r['sampling']} B={r['batch']} s={r['bucket_step']} p={r['admit_page_fraction']:.3g}"
+        name += f" w={r['admit_wait_steps']}"
         name += "" if r["reuse_prefixes"] else " noreuse"
-        line = f"{name:<40}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
+        line = f"{name:<46}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
         line += "".join(f"{r.get(f'vs_hf_batch{b}', float('nan')):>7.2f}x" for b in hf_batches)
         if "bound_tok_s" in r:
             line += (
@@ -1233,7 +1315,7 @@ def print_summary(result: dict, args) -> None:
         print(line)
     for r in result["hf_generate"]:
         name = f"HF generate B={r['batch']} cap {r['max_new_tokens_cap']}"
-        print(f"{name:<40}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
+        print(f"{name:<46}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
     print(
         "ctx: mean context per decode row; rows: mean active rows per step; bound: B rows at ctx; "
         "sched: the engine's own steps (prefill uncharged)"

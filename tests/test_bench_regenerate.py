@@ -126,3 +126,17 @@ def test_bench_regenerate_chat_runs_real_conversations_with_and_without_reuse(ti
     assert on["prefilled_tokens"] + on["cached_tokens"] == off["prefilled_tokens"]
     assert off["identical_to_first_row"] == 5
     assert json.loads((tmp_path / "chat.json").read_text())["records"] == 5
+
+
+def test_bench_regenerate_replays_the_engines_schedule_without_computing() -> None:
+    """`--replay-pages`: the schedule alone; reuse moves prompt tokens from prefill to the cache
+    without changing the decode steps, and waiting to admit prefills fewer, larger batches."""
+    args = ["--device", "cpu", "--shape", "tiny", "--requests", "20", "--turns", "3", "--max-prompt", "64"]
+    args += ["--max-reply", "48", "--batch", "128", "--replay-pages", "400", "--reuse-prefixes", "on"]
+    args += ["--reuse-prefixes", "off", "--admit-wait-steps", "0", "--admit-wait-steps", "8"]
+    rows = {(r["reuse_prefixes"], r["admit_wait_steps"]): r for r in main(args)["rows"]}
+    assert len(rows) == 4
+    on, off = rows[True, 0], rows[False, 0]
+    assert on["prefill_tokens"] + on["reused_prompt_tokens"] == off["prefill_tokens"] and on["reused_prompt_tokens"] > 0
+    assert on["decode_steps"] == off["decode_steps"]
+    assert rows[True, 8]["prefills"] < on["prefills"] and rows[False, 8]["prefills"] < off["prefills"]

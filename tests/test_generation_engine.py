@@ -202,7 +202,12 @@ def test_when_pages_bound_the_batch_prompts_wait_to_be_prefilled_together(model)
 
     def run(fraction: float) -> tuple[list[list[int]], int]:
         settings = EngineSettings(
-            max_batch=16, max_request_tokens=80, page_size=4, num_pages=3 * 20 + 1, admit_page_fraction=fraction
+            max_batch=16,
+            max_request_tokens=80,
+            page_size=4,
+            num_pages=3 * 20 + 1,
+            admit_page_fraction=fraction,
+            admit_wait_steps=0,  # the page rule alone
         )
         eng = GenerationEngine(model, stop_ids=[], sampling=GREEDY, settings=settings)
         return [r.tokens for r in eng.generate(requests)], eng.stats["prefills"]
@@ -211,3 +216,20 @@ def test_when_pages_bound_the_batch_prompts_wait_to_be_prefilled_together(model)
     batched, batched_prefills = run(0.5)
     assert batched == eager
     assert batched_prefills < eager_prefills / 2
+
+
+def test_with_rows_to_spare_next_turns_wait_to_be_prefilled_together(model):
+    """Fewer conversations than rows, replies ending one at a time: every finished turn's next turn
+    found rows free and got a prefill of its own; waiting up to admit_wait_steps batches them, with
+    the same replies."""
+    g = torch.Generator().manual_seed(3)
+    turns = [[(torch.randint(5, 700, (4,), generator=g).tolist(), 3 + 2 * c + t) for t in range(3)] for c in range(12)]
+
+    def run(wait: int):
+        settings = EngineSettings(max_batch=64, max_request_tokens=128, page_size=4, admit_wait_steps=wait)
+        eng = GenerationEngine(model, stop_ids=[], sampling=GREEDY, settings=settings)
+        return converse(eng, turns), eng.stats["prefills"]
+
+    (eager, eager_prefills), (batched, batched_prefills) = run(0), run(8)
+    assert batched == eager
+    assert batched_prefills < 0.6 * eager_prefills  # 13 against 25 here

@@ -59,12 +59,18 @@ class EngineSettings:
     # ... and this share of the KV-cache pages (free or kept): when pages, not rows, bound the batch
     # (long contexts), each finished reply would otherwise let one or two prompts in, one prefill each
     admit_page_fraction: float = 1 / 32
+    # ... and once that many prompts wait, or the oldest has waited this many decode steps: with rows
+    # to spare (fewer conversations than rows, the tail of a run), each finished turn's next turn would
+    # otherwise get a prefill call of its own, and a call costs tens of ms whatever its size
+    admit_wait_steps: int = 8
     graph_bucket_step: int = 64  # CUDA graphs for every multiple of this many rows (see graph_buckets)
     reuse_prefixes: bool = True  # honour Request.keep_cache (off: every request prefills its whole prompt)
 
     def __post_init__(self) -> None:
         if min(self.max_batch, self.page_size, self.prefill_tokens, self.graph_bucket_step) < 1:
             raise ValueError("EngineSettings: max_batch, page_size, prefill_tokens, graph_bucket_step must be >= 1")
+        if self.admit_wait_steps < 0:
+            raise ValueError("EngineSettings: admit_wait_steps must be >= 0")
         if self.max_request_tokens < 2:
             raise ValueError("EngineSettings: max_request_tokens must be >= 2")
 
@@ -170,6 +176,7 @@ class GenerationEngine:
         self._kept: OrderedDict[Hashable, _Kept] = OrderedDict()  # oldest first
         self._kept_pages = 0
         self._pages_to_admit = int((pages - 1) * settings.admit_page_fraction)
+        self._steps_waited = 0  # decode steps since the queue last had a prompt admitted
         self._context_tokens = 0  # cached tokens of the running requests: what the next decode step reads
         use_graphs = settings.cuda_graphs if settings.cuda_graphs is not None else self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
@@ -268,8 +275,12 @@ class GenerationEngine:
         room = len(self._free_slots) >= free_needed and (
             len(self._free_pages) + self._kept_pages >= self._pages_to_admit
         )
-        if self._queue and (room or len(self._running) < free_needed):
+        enough = len(self._queue) >= free_needed or self._steps_waited >= self.settings.admit_wait_steps
+        if self._queue and ((room and enough) or len(self._running) < free_needed):
             finished += self._admit()
+            self._steps_waited = 0
+        elif self._queue:
+            self._steps_waited += 1
         if self._running:
             finished += self._decode()
         return finished
