@@ -573,35 +573,51 @@ def time_overlap(model, rows: int, context: int, args, device, repeats: int = 10
     return result
 
 
-def profile_prefill(model, prompts, n: int, args, device) -> dict:
-    """torch.profiler over one admission's prefill of the first `n` prompts (each asks for one token,
-    so the call is the prefill alone), after two unprofiled calls of the same shape (a warm-up, then
-    one timed): where its time goes, by operator (self device time and self host time)."""
+def profile_prefill(model, conversations: list[Conversation], n: int, args, device) -> dict:
+    """torch.profiler over one admission's prefill of the first `n` conversations' first prompts
+    (each asks for one token, so the call is the prefill alone), after two unprofiled calls of the
+    same shape (a warm-up, then one timed): where its time goes, by operator (self device time and
+    self host time). With --turns > 1 the prefill is of their second turns, continued from the keys
+    and values the first turns (replies of at most 16 tokens, unprofiled) left in the cache."""
     from torch.profiler import ProfilerActivity, profile
 
     from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
     from dflash_pipeline.shared.generation.sampling import SamplingParams
 
-    requests = [Request(prompt=p, max_new_tokens=1) for p in prompts[:n]]
+    firsts = [
+        Request(prompt=c[0][0], max_new_tokens=1 if args.turns == 1 else min(c[0][1], 16)) for c in conversations[:n]
+    ]
     settings = EngineSettings(
         max_batch=max(n, 1),
-        max_request_tokens=max(len(p) for p in prompts[:n]) + 1,
+        max_request_tokens=max(sum(len(new) + L for new, L in c[:2]) for c in conversations[:n]) + 1,
         page_size=args.page_size,
         cuda_graphs=False,
     )
     engine = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings)
-    engine.generate(requests)
-    sync(device)
-    t = time.perf_counter()
-    engine.generate(requests)
-    sync(device)
-    unprofiled = time.perf_counter() - t
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    t = time.perf_counter()
-    with profile(activities=activities) as prof:
-        engine.generate(requests)
+
+    def requests() -> list:
+        """The prompts to prefill; for second turns, first runs the first turns (ids 0..n-1, kept)."""
+        if args.turns == 1:
+            return firsts
+        replies = engine.generate([Request(r.prompt, r.max_new_tokens, keep_cache=True) for r in firsts])
+        return [Request([*r.prompt, *a.tokens, *c[1][0]], 1) for r, a, c in zip(firsts, replies, conversations)]
+
+    def timed(batch: list) -> float:
         sync(device)
-    seconds = time.perf_counter() - t
+        t = time.perf_counter()
+        engine.generate(batch)
+        sync(device)
+        return time.perf_counter() - t
+
+    timed(requests())  # warm-up
+    batch = requests()
+    before = dict(engine.stats)
+    unprofiled = timed(batch)
+    prefilled = engine.stats["prefill_tokens"] - before["prefill_tokens"]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    batch = requests()
+    with profile(activities=activities) as prof:
+        profiled = timed(batch)
     events = prof.key_averages()
     device_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
 
@@ -619,8 +635,10 @@ def profile_prefill(model, prompts, n: int, args, device) -> dict:
 
     return {
         "prompts": n,
-        "prompt_tokens": sum(len(p) for p in prompts[:n]),
-        "seconds": seconds,
+        "continued": args.turns > 1,
+        "prompt_tokens": sum(len(r.prompt) for r in batch),
+        "prefilled_tokens": prefilled,
+        "seconds": profiled,
         "seconds_unprofiled": unprofiled,
         "by_device_time": top(device_key),
         "by_host_time": top("self_cpu_time_total"),
@@ -1142,12 +1160,13 @@ def main(argv=None) -> dict:
 
     if args.profile_prefill:
         profiled = attempt(
-            "profile prefill", lambda: profile_prefill(model, prompts, args.profile_prefill, args, device)
+            "profile prefill", lambda: profile_prefill(model, conversations, args.profile_prefill, args, device)
         )
         if profiled:
             result["prefill_profile"] = profiled
             print(
-                f"prefill of {profiled['prompts']} prompts ({profiled['prompt_tokens']:,} tokens), profiled: "
+                f"prefill of {profiled['prompts']} {'continued ' if profiled['continued'] else ''}prompts "
+                f"({profiled['prompt_tokens']:,} tokens, {profiled['prefilled_tokens']:,} computed), profiled: "
                 f"{profiled['seconds'] * 1e3:.0f} ms ({profiled['seconds_unprofiled'] * 1e3:.0f} ms unprofiled)",
                 flush=True,
             )

@@ -140,3 +140,12 @@ def test_bench_regenerate_replays_the_engines_schedule_without_computing() -> No
     assert on["prefill_tokens"] + on["reused_prompt_tokens"] == off["prefill_tokens"] and on["reused_prompt_tokens"] > 0
     assert on["decode_steps"] == off["decode_steps"]
     assert rows[True, 8]["prefills"] < on["prefills"] and rows[False, 8]["prefills"] < off["prefills"]
+
+
+def test_bench_regenerate_profiles_a_prefill_of_continued_prompts() -> None:
+    args = ["--device", "cpu", "--shape", "tiny", "--requests", "3", "--turns", "2", "--max-prompt", "24"]
+    args += ["--max-reply", "8", "--batch", "4", "--skip-baseline", "--profile-prefill", "3"]
+    profiled = main(args)["prefill_profile"]
+    assert profiled["continued"] and profiled["prompts"] == 3
+    assert 0 < profiled["prefilled_tokens"] < profiled["prompt_tokens"]  # the first turns' tokens come from the cache
+    assert profiled["by_host_time"]
