@@ -22,7 +22,10 @@ Schedule replay (`--replay-pages N`): the engine's own admission, paging and reu
 the workload, with a decoder that computes nothing (its logits are zeros, and nothing stops a reply
 early, so the schedule depends on the lengths alone), on a pool of N pages (a GPU run's
 `kv_cache_pages`): prefills, prompt tokens, decode steps and rows per knob setting, on any machine,
-in seconds. Then nothing else runs.
+in seconds. Then nothing else runs. `--replay-cost` also models each schedule's time on the GPU
+(`schedule_cost`: decode steps at their roofline over a measured efficiency, prefill at a measured
+rate; defaults from run 6 on the H200, which it reproduces) to choose what a GPU run should try.
+Prefill is charged per token only: the small prefills of multi-turn schedules cost more per token.
 Multi-turn chat (`--turns N`, engine only): each of the `--requests` conversations asks N times; turn
 t's prompt is turn t-1's prompt, its reply and a new user turn (lengths in [8, 512], mean
 `--mean-user-turn`), as a chat template lays them out. `--reuse-prefixes on --reuse-prefixes off`
@@ -139,6 +142,15 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     return model, allowed, int(eos), what
 
 
+def qwen3_8b_shape_bytes() -> dict:
+    """`model_bytes` of the Qwen3-8B shape in bf16, built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(qwen3_8b_shape_config(), dtype=torch.bfloat16)
+    return model_bytes(model)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -152,7 +164,7 @@ def model_bytes(model) -> dict:
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() dedups tied weights
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    tied = head is not None and head.weight is emb  # identity: meta tensors all have data_ptr 0
     emb_bytes = emb.numel() * emb.element_size()
     cfg = text_config(model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -291,15 +303,20 @@ def run_chat(model, records: list, batch: int, knobs: dict, args) -> tuple[dict,
 
 class _NoComputeDecoder:
     """A PagedDecoder's interface with zero logits and no work: what the engine schedules is then
-    visible without the model's cost (`--replay-pages`)."""
+    visible without the model's cost (`--replay-pages`). Records each call's size for costing:
+    `steps` (rows, context tokens read) per decode step, `prefills` (tokens computed, prompts) per prefill."""
 
     def __init__(self, cache, vocab: int):
         self.cache, self.vocab = cache, vocab
+        self.steps: list[tuple[int, int]] = []
+        self.prefills: list[tuple[int, int]] = []
 
     def prefill(self, tokens, positions, cache_index, lengths, context_index=None, context_lengths=None):
+        self.prefills.append((len(tokens), len(lengths)))
         return torch.zeros(len(lengths), self.vocab)
 
     def decode(self, tokens, positions, block_table):
+        self.steps.append((len(tokens), int((positions + 1).sum())))
         return torch.zeros(len(tokens), self.vocab)
 
 
@@ -318,11 +335,50 @@ def replay_schedule(model, conversations: list[Conversation], batch: int, knobs:
         **knobs,
     )
     engine = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings)
-    engine.decoder = _NoComputeDecoder(engine.decoder.cache, model.config.vocab_size)
+    decoder = engine.decoder = _NoComputeDecoder(engine.decoder.cache, model.config.vocab_size)
     converse(engine, conversations)
     st = engine.stats
     keys = ("prefills", "prefill_tokens", "reused_prompt_tokens", "decode_steps", "kv_tokens_read", "evicted_caches")
-    return {"batch": batch, **knobs, **{k: st[k] for k in keys}, "mean_rows": st["decode_rows"] / st["decode_steps"]}
+    row = {"batch": batch, **knobs, **{k: st[k] for k in keys}, "mean_rows": st["decode_rows"] / st["decode_steps"]}
+    if args.replay_cost:
+        row["cost"] = schedule_cost(decoder.steps, decoder.prefills, batch, settings.graph_bucket_step, args)
+    return row
+
+
+def schedule_cost(
+    steps: list[tuple[int, int]], prefills: list[tuple[int, int]], batch: int, bucket_step: int, args
+) -> dict:
+    """A replayed schedule's time on the GPU of a run whose rates are given (`--cost-*`, default run
+    6's on the H200): each decode step serially at its roofline, max(matmul of its rows padded to the
+    graph bucket at the peak rate, weight read) + its rows' KV reads, over the measured share of that
+    roofline a step reaches (`--cost-step-efficiency`); each prefill at the measured prompt rate. The
+    sizes are the Qwen3-8B shape's, whatever model replayed the schedule."""
+    from dflash_pipeline.shared.generation.engine import graph_buckets
+
+    sizes = qwen3_8b_shape_bytes()
+    weights, kv = sizes["weight_bytes_read_per_step"], sizes["kv_bytes_per_token"]
+    flops_per_row = 2 * weights / 2  # two FLOPs per bf16 weight read
+    buckets = graph_buckets(batch, bucket_step)
+    bw, peak = args.cost_bandwidth, args.cost_peak_flops
+    roofline = sum(
+        max(flops_per_row * next(b for b in buckets if b >= rows) / peak, weights / bw) + context * kv / bw
+        for rows, context in steps
+    )
+    decode_s = roofline / args.cost_step_efficiency
+    prefill_s = sum(tokens for tokens, _ in prefills) / args.cost_prefill_tok_s
+    decoded = sum(rows for rows, _ in steps)
+    generated = decoded + sum(requests for _, requests in prefills)  # a prefill yields each prompt's first token
+    mean_context = sum(c for _, c in steps) / decoded
+    bound = bound_tok_s(batch, mean_context, sizes, bw)
+    tok_s = generated / (decode_s + prefill_s)
+    return {
+        "decode_roofline_s": roofline,
+        "decode_s": decode_s,
+        "prefill_s": prefill_s,
+        "tok_s": tok_s,
+        "bound_tok_s": bound,
+        "of_bound": tok_s / bound,
+    }
 
 
 def first_turns(conversations: list[Conversation]) -> tuple[list[list[int]], list[int]]:
@@ -871,6 +927,18 @@ def parse_args(argv=None):
     ap.add_argument(
         "--replay-pages", type=int, default=None, help="replay the engine's schedule on this many pages (module doc)"
     )
+    c = ap.add_argument_group(
+        "costing a replayed schedule on the GPU (--replay-cost; defaults: run 6, H200, bench/RESULTS.md)"
+    )
+    c.add_argument(
+        "--replay-cost", action="store_true", help="also model each replayed schedule's GPU time (schedule_cost)"
+    )
+    c.add_argument("--cost-bandwidth", type=float, default=4.21e12, help="copy bandwidth, bytes/s")
+    c.add_argument("--cost-peak-flops", type=float, default=790e12, help="bf16 matmul peak, FLOP/s")
+    c.add_argument(
+        "--cost-step-efficiency", type=float, default=0.776, help="measured decode time / its serial roofline (run 6)"
+    )
+    c.add_argument("--cost-prefill-tok-s", type=float, default=39_700, help="prompt tokens per prefill second")
     ap.add_argument("--chat", type=Path, default=None, help="real conversations (module doc; needs --target)")
     ap.add_argument("--chat-max-length", type=int, default=2048, help="--chat: dflash-extract's --max-length")
     ap.add_argument(
@@ -1027,18 +1095,31 @@ def parse_args(argv=None):
 def main_replay(model, conversations: list[Conversation], args) -> dict:
     """`--replay-pages`: the schedule of every knob setting alone (module doc)."""
     rows = []
-    for batch, reuse, pages, wait in itertools.product(
-        args.batch, args.reuse_prefixes, args.admit_page_fraction, args.admit_wait_steps
+    for batch, reuse, pages, wait, bucket in itertools.product(
+        args.batch, args.reuse_prefixes, args.admit_page_fraction, args.admit_wait_steps, args.bucket_step
     ):
-        knobs = {"reuse_prefixes": reuse, "admit_page_fraction": pages, "admit_wait_steps": wait}
+        knobs = {
+            "reuse_prefixes": reuse,
+            "admit_page_fraction": pages,
+            "admit_wait_steps": wait,
+            "graph_bucket_step": bucket,
+        }
         row = replay_schedule(model, conversations, batch, knobs, args.replay_pages, args)
         rows.append(row)
         print(
-            f"replay B={batch} reuse {'on' if reuse else 'off'} admit pages {pages:g} wait {wait}: "
+            f"replay B={batch} reuse {'on' if reuse else 'off'} admit pages {pages:g} wait {wait} bucket step {bucket}: "
             f"{row['prefills']} prefills of {row['prefill_tokens']:,} tokens ({row['reused_prompt_tokens']:,} cached), "
             f"{row['decode_steps']} decode steps at {row['mean_rows']:.1f} rows, {row['evicted_caches']} caches evicted",
             flush=True,
         )
+        if "cost" in row:
+            c = row["cost"]
+            print(
+                f"  modelled on the GPU: decode {c['decode_s']:.1f} s (roofline {c['decode_roofline_s']:.1f}), "
+                f"prefill {c['prefill_s']:.1f} s: {c['tok_s']:,.0f} tok/s, {c['of_bound']:.0%} of the bound "
+                f"({c['bound_tok_s']:,.0f})",
+                flush=True,
+            )
     result = {"replay_pages": args.replay_pages, "conversations": len(conversations), "turns": args.turns, "rows": rows}
     emit(result, args.json)
     return result

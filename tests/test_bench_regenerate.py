@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.regenerate import draw_lengths, main
 
 
@@ -133,9 +135,9 @@ def test_bench_regenerate_replays_the_engines_schedule_without_computing() -> No
     without changing the decode steps, and waiting to admit prefills fewer, larger batches."""
     args = ["--device", "cpu", "--shape", "tiny", "--requests", "20", "--turns", "3", "--max-prompt", "64"]
     args += ["--max-reply", "48", "--batch", "128", "--replay-pages", "400", "--reuse-prefixes", "on"]
-    args += ["--reuse-prefixes", "off", "--admit-wait-steps", "0", "--admit-wait-steps", "8"]
+    args += ["--reuse-prefixes", "off", "--admit-wait-steps", "0", "--admit-wait-steps", "8", "--replay-cost"]
     rows = {(r["reuse_prefixes"], r["admit_wait_steps"]): r for r in main(args)["rows"]}
-    assert len(rows) == 4
+    assert len(rows) == 4 and all(r["cost"]["tok_s"] > 0 for r in rows.values())
     on, off = rows[True, 0], rows[False, 0]
     assert on["prefill_tokens"] + on["reused_prompt_tokens"] == off["prefill_tokens"] and on["reused_prompt_tokens"] > 0
     assert on["decode_steps"] == off["decode_steps"]
@@ -149,3 +151,27 @@ def test_bench_regenerate_profiles_a_prefill_of_continued_prompts() -> None:
     assert profiled["continued"] and profiled["prompts"] == 3
     assert 0 < profiled["prefilled_tokens"] < profiled["prompt_tokens"]  # the first turns' tokens come from the cache
     assert profiled["by_host_time"]
+
+
+def test_schedule_cost_charges_each_step_its_padded_rows_and_kv_reads() -> None:
+    """`--replay-cost`: a step's matmul counts its rows padded to the graph bucket, is never cheaper
+    than reading the weights once, and adds its KV reads; prefill is charged per prompt token, and
+    each prefill's prompts yield one generated token each."""
+    import argparse
+
+    from bench.regenerate import qwen3_8b_shape_bytes, schedule_cost
+
+    sizes = qwen3_8b_shape_bytes()
+    weights, kv = sizes["weight_bytes_read_per_step"], sizes["kv_bytes_per_token"]
+    args = argparse.Namespace(
+        cost_bandwidth=4e12, cost_peak_flops=800e12, cost_step_efficiency=0.5, cost_prefill_tok_s=40_000
+    )
+    steps = [(3, 3_000), (100, 60_000), (200, 120_000)]  # buckets of 4, 128 and 256 rows (step 64, batch 256)
+    cost = schedule_cost(steps, [(8_000, 5)], batch=256, bucket_step=64, args=args)
+    # up to ~200 rows the weight read outlasts the matmul (2 FLOPs per 2-byte weight per row)
+    expected = weights / 4e12 + 3_000 * kv / 4e12
+    expected += weights / 4e12 + 60_000 * kv / 4e12
+    expected += weights * 256 / 800e12 + 120_000 * kv / 4e12
+    assert cost["decode_roofline_s"] == pytest.approx(expected)
+    assert cost["decode_s"] == pytest.approx(2 * expected) and cost["prefill_s"] == pytest.approx(0.2)
+    assert cost["tok_s"] == pytest.approx((303 + 5) / (2 * expected + 0.2))
