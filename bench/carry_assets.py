@@ -3,14 +3,17 @@
 That machine has no internet and no package index, and takes at most 64 MiB per call. The SmolLM2
 GGUF (94 MiB) does not fit one upload, so it travels in halves over two consecutive calls on the same
 warm machine: `.carry_a/` (call 1: step `stash_a` of bench/gpu_session.sh keeps part-1 in /tmp) and
-`.carry_b/` (call 2: step `quality` joins the halves, checks the sha256 and runs the bench). Each
-folder also holds `wheels/`, downloaded here for the image's CPython 3.12 at the versions installed
+`.carry_b/` (call 2: step `quality` joins the halves, checks the sha256 and runs the bench).
+`.carry_a/wheels/` holds wheels downloaded here for the image's CPython 3.12 at the versions installed
 here: zarr and its dependencies, which the image lacks, plus `gguf` (transformers needs it to read a
-GGUF) and `pyyaml` (imported by gguf), so either call installs everything. The prompt
+GGUF) and `pyyaml` (imported by gguf). `stash_a` keeps them on the machine for the calls carrying
+`.carry_b/`, which must follow on it anyway (the GGUF's first half), so `.carry_b/` has room for
+every ShareGPT conversation that installs here. The prompt
 files (bench/quality.py's in smollm2/, bench/quality_scale.py's in scale/) are built here from the
 installed ShareGPT package, which cannot go there either.
 
     python -m bench.carry_assets [--train-prompts 6000] [--eval-prompts 32] [--conversations 4000]
+    python -m bench.carry_assets --train-prompts 3000 --conversations 16900   # all but 32 held out
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import importlib.metadata
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from bench.compression import installed_gguf
@@ -92,14 +94,11 @@ def main() -> None:
     args = ap.parse_args()
     gguf = args.gguf or installed_gguf()
     folders = [ROOT / ".carry_a", ROOT / ".carry_b"]
-    with tempfile.TemporaryDirectory() as tmp:
-        wheels = download_wheels(Path(tmp))
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
-            (folder / "wheels").mkdir(parents=True)
-            (folder / "smollm2").mkdir()
-            for wheel in wheels:
-                shutil.copy2(wheel, folder / "wheels")
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+        (folder / "smollm2").mkdir(parents=True)
+    (folders[0] / "wheels").mkdir()
+    download_wheels(folders[0] / "wheels")
     data = gguf.read_bytes()
     half = len(data) // 2
     a, b = (folder / "smollm2" for folder in folders)

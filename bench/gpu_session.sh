@@ -2,7 +2,7 @@
 # One batched session on a lent GPU machine (device time is scarce): GPU tests, both benchmarks and a
 # GPU smoke run of the three CLIs on a tiny target. Every step runs even if an earlier one failed;
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
-# .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels / .carry_b/wheels
+# .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels
 # (a superset, downloaded by bench/carry_assets.py).
 #   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality scale chat
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
@@ -16,9 +16,10 @@ set -u
 OUT=${OUT:?set OUT to a results folder}
 export PYTHONUNBUFFERED=1
 steps=${*:-env tests train extract smoke}
-# one wheels folder: the first that exists (the carry_assets ones hold .carry's wheels too)
-for wheels in .carry_b/wheels .carry_a/wheels .carry/wheels; do [ -d $wheels ] && break; done
-[ -d $wheels ] || { echo "no wheels: carry .carry, .carry_a or .carry_b"; exit 1; }
+# one wheels folder: the first that exists (.carry_a's hold .carry's too; stash_a keeps them in
+# /tmp/carry_wheels for the calls carrying .carry_b, which has none)
+for wheels in .carry_a/wheels .carry/wheels /tmp/carry_wheels; do [ -d $wheels ] && break; done
+[ -d $wheels ] || { echo "no wheels: carry .carry or .carry_a (or run stash_a on this machine before carrying .carry_b)"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
   --target /tmp/site $wheels/*.whl . || { echo "install failed"; exit 1; }
 # the checkout has a dflash_pipeline/ folder of its own: keep the cwd off sys.path so the installed package wins
@@ -69,7 +70,8 @@ for s in $steps; do
       tail -n 3 $d/train/metrics.jsonl' ;;
     stash_a) step stash_a 60 bash -c '
       set -e; [ -f .carry_a/smollm2/part-1 ] || { echo "no .carry_a/smollm2/part-1: carry .carry_a"; exit 1; }
-      mkdir -p /tmp/smollm2; cp .carry_a/smollm2/* /tmp/smollm2/; ls -l /tmp/smollm2' ;;
+      mkdir -p /tmp/smollm2 /tmp/carry_wheels; cp .carry_a/smollm2/* /tmp/smollm2/
+      cp .carry_a/wheels/*.whl /tmp/carry_wheels/; ls -l /tmp/smollm2 /tmp/carry_wheels' ;;
     quality) step quality 480 bash -c '
       set -e; join_smollm2; rm -rf /tmp/quality
       python3 -m bench.quality --device cuda --gguf $d/$name --prompts .carry_b/smollm2 --out /tmp/quality \
