@@ -19,7 +19,9 @@ trained on them (`train --store NAME`). `regenerate --store fp8 --store-dtype fl
 --replies-from store` starts the second store from the first one's replies: the same conversations,
 none generated again. `evaluate --parallel N` runs N dflash-eval at once (each logged in logs/): tau
 is unaffected, speedup is measured under contention, and the report says how many ran at once
-(`concurrent`). `evaluate --runs NAME` picks runs. On the GPU machine, `bench/gpu_session.sh scale`
+(`concurrent`). `evaluate --runs NAME` picks runs. `evaluate --chain --temperature 0 --max-new-tokens
+2048 --windows 96 256` counts greedy tau along the target's own replies (dflash-eval --chain): the
+reference benchmark's 2,048 new tokens on all held-out prompts in seconds, no speedup. On the GPU machine, `bench/gpu_session.sh scale`
 runs the lines of a plan file (bench/plans/, format in bench/scale_plan.sh) against deadlines.
 
 Issue 19's ce vs kl on one store: `regenerate --store-topk 16` (the target's top-16 beside the states),
@@ -325,7 +327,8 @@ def evaluate(args) -> None:
     jobs: dict[str, Evaluation] = {}
     for run in eval_runs(args):
         for temperature in args.temperature:
-            stem = f"eval_{run.name}_T{temperature:g}_N{args.max_new_tokens}"
+            method = "_chain" if args.chain else ""
+            stem = f"eval_{run.name}_T{temperature:g}{method}_N{args.max_new_tokens}"
             report = args.out / f"{stem}.json"
             if report.exists():
                 continue
@@ -351,8 +354,16 @@ def evaluate(args) -> None:
                 "--json",
                 str(report),
             ]
+            cmd += (
+                ["--chain", *(["--windows", ",".join(map(str, args.windows))] if args.windows else [])]
+                if method
+                else []
+            )
             jobs[stem] = Evaluation(
-                f"{run.name} T={temperature:g} N={args.max_new_tokens}", cmd, args.out / "logs" / f"{stem}.log", report
+                f"{run.name} T={temperature:g}{method} N={args.max_new_tokens}",
+                cmd,
+                args.out / "logs" / f"{stem}.log",
+                report,
             )
     if not jobs:
         return
@@ -378,7 +389,8 @@ def finished(job: Evaluation, code: int, seconds: float, concurrent: int, index:
         print(f"evaluate {job.name}: failed (exit code {code}) after {seconds:.0f} s; {job.log} ends:\n{tail}", end="")
     if job.report.exists():  # a greedy run that was not lossless fails, but writes its report first
         r = json.loads(job.report.read_text())
-        print(f"evaluate {job.name}: tau {r['tau']:.3f}, speedup {r['speedup']:.2f}x in {seconds:.0f} s")
+        speedup = "" if r["speedup"] is None else f", speedup {r['speedup']:.2f}x"
+        print(f"evaluate {job.name}: tau {r['tau']:.3f}{speedup} in {seconds:.0f} s")
         entries = json.loads(index.read_text()) if index.exists() else {}
         entries[job.report.name] = {"concurrent": concurrent, "seconds": round(seconds, 1), "log": str(job.log)}
         index.write_text(json.dumps(entries, indent=1))
@@ -476,6 +488,8 @@ def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
         "tau_pooled": r["tau_pooled"],
         f"tau_pooled_first{HEAD_TOKENS}": head,
         f"tau_pooled_after{HEAD_TOKENS}": tail,
+        "method": r.get("method", "decode"),
+        **{f"tau_N{n}": w["tau"] for n, w in r.get("windows", {}).items()},
         "speedup": r["speedup"],
         "concurrent": index.get(path.name, {}).get("concurrent"),
         "all_lossless": r["all_lossless"],
@@ -568,10 +582,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--untrained", action="store_true", help="also an untrained drafter of the first run's shape")
     e.add_argument("--runs", metavar="NAME", action="append", help="run folders to evaluate [default: all trained]")
     e.add_argument("--parallel", type=int, default=1, help="dflash-eval processes at once (speedup under contention)")
+    e.add_argument(
+        "--chain", action="store_true", help="dflash-eval --chain: greedy tau without decoding (--temperature 0)"
+    )
+    e.add_argument(
+        "--windows", type=int, nargs="*", default=[], help="with --chain: tau also at these shorter --max-new-tokens"
+    )
     sub.choices["report"].add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if getattr(args, "parallel", 1) < 1:
         ap.error("--parallel: 1 or more")
+    if getattr(args, "chain", False) and args.temperature != [0]:
+        ap.error("--chain measures greedy decoding: --temperature 0 alone")
+    if getattr(args, "windows", None) and not args.chain:
+        ap.error("--windows needs --chain")
     return args
 
 

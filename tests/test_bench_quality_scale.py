@@ -210,6 +210,30 @@ def test_a_failed_evaluation_fails_the_stage_after_the_others(scale_run: SimpleN
         main(["evaluate", *evaluate, "--runs", "nothing"])
 
 
+@pytest.mark.slow
+def test_chain_evaluations_count_what_decoding_counted(scale_run: SimpleNamespace, tmp_path: Path) -> None:
+    """`evaluate --chain`: the same greedy counts as the decoding evaluation of the same drafter, tau at
+    each window, no speedup."""
+    shutil.copytree(scale_run.out / "on_bf16" / "drafter", tmp_path / "on_bf16" / "drafter")
+    evaluate = ["--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu", "--limit", "2"]
+    evaluate += ["--target", str(scale_run.target), "--max-new-tokens", "8", "--temperature", "0"]
+    done = stage("evaluate", *evaluate, "--chain", "--windows", "4", "2")
+    assert done.returncode == 0, done.stderr
+    assert "evaluate on_bf16 T=0_chain N=8: tau " in done.stdout and "speedup" not in done.stdout
+    chained = json.loads((tmp_path / "eval_on_bf16_T0_chain_N8.json").read_text())
+    decoded = json.loads((scale_run.out / "eval_on_bf16_T0_N8.json").read_text())
+    assert [p["accepted"] for p in chained["per_prompt"]] == [p["accepted"] for p in decoded["per_prompt"]]
+    row = json.loads(stage("report", "--out", str(tmp_path), "--prompts", str(scale_run.prompts)).stdout)
+    row = row["evaluations"][0]
+    assert (row["method"], row["speedup"], sorted(k for k in row if k.startswith("tau_N"))) == (
+        "chain",
+        None,
+        ["tau_N2", "tau_N4"],
+    )
+    with pytest.raises(SystemExit):
+        main(["evaluate", *evaluate, "--temperature", "1", "--chain"])
+
+
 def test_tokens_per_step_count_every_process(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 10, "type": "eval", "tau": 1.5}) + "\n")
     config = {"store": str(tmp_path / "nowhere"), "pack_tokens": 4096, "packs_per_step": 2, "workers": 1}

@@ -5,6 +5,8 @@ the speculative output must equal the target's own (lossless) and is checked; sa
 (`--temperature` > 0), outputs differ by chance, so only tau and speed are reported. tau is counted
 as the z-lab reference (`dflash` 0.1.0) counts it: the mean over prompts of each prompt's mean
 acceptance length; `tau_pooled` is all tokens over all verify steps. Reported as JSON.
+`--chain` counts greedy tau without decoding step by step (train/chain_tau.py): the same counts where
+the numerics agree, in seconds for replies of thousands of tokens, and no speedup.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ from pathlib import Path
 import click
 import torch
 
-from dflash_pipeline.shared.runtime.config import check_options, config_from_cli, config_options, option
+from dflash_pipeline.shared.runtime.config import (
+    ConfigError,
+    IntList,
+    check_options,
+    config_from_cli,
+    config_options,
+    option,
+)
 from dflash_pipeline.shared.runtime.device import DEVICE_HELP, resolve_device
 from dflash_pipeline.shared.runtime.errors import cli_errors
 
@@ -41,10 +50,27 @@ class EvalConfig:
     top_k: int = option(0, range=(0, None), help="0: no top-k filter.")
     seed: int = option(0, help="Seed of the sampling (prompt n uses seed + n).")
     json_path: str | None = option(None, flag="--json", help="Write the full report here.")
+    chain: bool = option(
+        False,
+        help="Greedy tau without decoding step by step: the target's greedy replies first (all prompts "
+        "batched), then the blocks greedy decoding would draft along them (train/chain_tau.py); no speedup. "
+        "For long replies and many prompts: seconds where decoding takes minutes.",
+    )
+    windows: tuple[int, ...] = option(
+        (),
+        type=IntList(),
+        help="With --chain, also tau at these shorter --max-new-tokens, comma-separated (from the same replies).",
+    )
     max_prompt_tokens: int = 1024  # a prompt's last tokens kept
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.chain and self.temperature > 0:
+            raise ConfigError("--chain measures greedy decoding: it needs --temperature 0")
+        if self.windows and not self.chain:
+            raise ConfigError("--windows needs --chain")
+        if any(not 1 <= w <= self.max_new_tokens for w in self.windows):
+            raise ConfigError(f"--windows must lie in 1..--max-new-tokens ({self.max_new_tokens})")
 
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -121,6 +147,11 @@ def evaluate(cfg: EvalConfig) -> dict:
     prompts = prompts_from(prompts_path, tokenizer, cfg.limit, cfg.max_prompt_tokens)
     if not prompts:
         raise click.UsageError(f"{prompts_path}: no usable prompts")
+    if cfg.chain:
+        try:
+            return chain_report(cfg, target, drafter, capture, prompts, stop_ids, torch_dtype)
+        finally:
+            capture.close()
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k)
 
     def generator(n: int) -> torch.Generator:
@@ -156,6 +187,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "target": target_path,
         "drafter": drafter_path,
         "prompts": prompts_path,
+        "method": "decode",
         "num_prompts": len(rows),
         "max_new_tokens": cfg.max_new_tokens,
         "block_size": cfg.block_size or drafter.config.block_size,
@@ -168,6 +200,57 @@ def evaluate(cfg: EvalConfig) -> dict:
         "lossless_check": "greedy: dflash_tokens must equal target_tokens"
         if sampling.greedy
         else "skipped: with sampling the two decodings draw different tokens by chance",
+        "per_prompt": rows,
+    }
+
+
+def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[int]], stop_ids, dtype) -> dict:
+    """`--chain`: greedy tau from the target's replies and the drafter's blocks along them (module
+    train.chain_tau), at --max-new-tokens and at each of --windows."""
+    from dflash_pipeline.shared.generation.speculative import Generation
+    from dflash_pipeline.shared.model.target_head import TargetHead
+    from dflash_pipeline.train.chain_tau import BlockMatches, chain_accepted, greedy_replies, sequence_features
+
+    block_size = drafter.config.block_size
+    if cfg.block_size not in (None, block_size):
+        raise click.UsageError(f"--chain drafts blocks of the drafter's size ({block_size}); leave --block-size out")
+    dev = torch.device(cfg.device)
+    head = TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    replies = greedy_replies(target, prompts, cfg.max_new_tokens, stop_ids)
+    lengths = sorted({cfg.max_new_tokens, *cfg.windows})
+    accepted: dict[int, list[list[int]]] = {n: [] for n in lengths}
+    rows = []
+    for ids, reply in zip(prompts, replies):
+        sequence = torch.tensor([*ids, *reply], device=dev)
+        features = sequence_features(target, capture, sequence)
+        matches = BlockMatches(drafter, head, features, sequence, len(ids))
+        for n in lengths:
+            accepted[n].append(chain_accepted(reply, matches, n, block_size, stop_ids))
+        rows.append(
+            {
+                "prompt_tokens": len(ids),
+                "new_tokens": len(reply),
+                "tau": Generation([], 0.0, accepted[cfg.max_new_tokens][-1]).tau,
+                "accepted": accepted[cfg.max_new_tokens][-1],
+                "target_tokens": reply,
+            }
+        )
+    return {
+        "target": cfg.target,
+        "drafter": cfg.drafter,
+        "prompts": cfg.prompts,
+        "method": "chain",
+        "num_prompts": len(rows),
+        "max_new_tokens": cfg.max_new_tokens,
+        "block_size": block_size,
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": cfg.seed},
+        **taus(accepted[cfg.max_new_tokens]),
+        "windows": {str(n): taus(accepted[n]) for n in cfg.windows},
+        "speedup": None,
+        "all_lossless": None,
+        "lossless_check": "skipped: --chain decodes nothing step by step",
         "per_prompt": rows,
     }
 
