@@ -22,27 +22,36 @@ from collections.abc import Sequence
 import torch
 
 
-def copied_drafts(text: Sequence[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Up to `count` drafts after `text`: what followed the most recent earlier occurrence of its
-    longest suffix of `max_ngram`..`min_ngram` tokens that occurs earlier ([] if none does)."""
-    for n in range(min(max_ngram, len(text) - 1), min_ngram - 1, -1):
-        suffix = list(text[-n:])
-        for start in range(len(text) - n - 1, -1, -1):  # most recent first, never the suffix itself
-            if list(text[start : start + n]) == suffix:
-                return list(text[start + n : start + n + count])
-    return []
+def copy_sources(sequence: Sequence[int], max_ngram: int, min_ngram: int) -> list[int]:
+    """`source[end]`: where the copied drafts after `sequence[:end]` start, i.e. the end of the most
+    recent earlier occurrence of its longest suffix of `max_ngram`..`min_ngram` tokens (-1: none
+    occurs earlier). One pass with an index of each n-gram's last end, so replies of thousands of
+    tokens cost milliseconds."""
+    last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
+    source = [-1] * (len(sequence) + 1)
+    for end in range(1, len(sequence) + 1):
+        for n in range(min(max_ngram, end), min_ngram - 1, -1):
+            earlier = last[n].get(tuple(sequence[end - n : end]))
+            if earlier is not None:
+                source[end] = earlier
+                break
+        for n in range(min_ngram, min(max_ngram, end) + 1):  # this end is earlier for every later one
+            last[n][tuple(sequence[end - n : end])] = end
+    return source
 
 
 def ngram_matches(prompt: Sequence[int], reply: Sequence[int], max_ngram: int, min_ngram: int):
-    """`matches(i, size)` for `chain_accepted`: copied drafts of the block anchored at reply token i
-    that equal the reply after it."""
+    """`matches(i, size)` for `chain_accepted`: how many of the size - 1 copied drafts of the block
+    anchored at reply token i equal the reply after it (the drafts never reach past the text so far)."""
     sequence = [*prompt, *reply]
+    source = copy_sources(sequence, max_ngram, min_ngram)
 
     def matches(index: int, size: int) -> int:
         end = len(prompt) + index + 1  # the text up to and including the anchor
-        drafts = copied_drafts(sequence[:end], size - 1, max_ngram, min_ngram)
-        n = 0
-        while n < len(drafts) and end + n < len(sequence) and drafts[n] == sequence[end + n]:
+        start, n = source[end], 0
+        if start < 0:
+            return 0
+        while n < size - 1 and start + n < end and end + n < len(sequence) and sequence[start + n] == sequence[end + n]:
             n += 1
         return n
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from bench.ngram_baseline import copied_drafts, main, ngram_matches
+from bench.ngram_baseline import copy_sources, main, ngram_matches
 from dflash_pipeline.train.chain_tau import chain_accepted
 
 
-def test_copied_drafts_follow_the_most_recent_earlier_occurrence_of_the_longest_suffix() -> None:
-    assert copied_drafts([5, 1, 2, 7, 1, 2, 8, 1, 2], 3, 4, 2) == [8, 1, 2]  # [1, 2] last seen before 8
-    assert copied_drafts([1, 2, 3, 9, 2, 3, 1, 2, 3], 2, 4, 2) == [9, 2]  # [1, 2, 3] beats the nearer [2, 3]
-    assert copied_drafts([1, 2, 3, 4], 3, 4, 2) == []  # no suffix occurs earlier
-    assert copied_drafts([4, 5, 4], 3, 4, 1) == [5, 4]  # n = 1 allowed: after the earlier 4
+def copied(text: list[int], count: int, max_ngram: int, min_ngram: int) -> list[int]:
+    start = copy_sources(text, max_ngram, min_ngram)[len(text)]
+    return [] if start < 0 else text[start : start + count]
+
+
+def test_copies_follow_the_most_recent_earlier_occurrence_of_the_longest_suffix() -> None:
+    assert copied([5, 1, 2, 7, 1, 2, 8, 1, 2], 3, 4, 2) == [8, 1, 2]  # [1, 2] last seen before 8
+    assert copied([1, 2, 3, 9, 2, 3, 1, 2, 3], 2, 4, 2) == [9, 2]  # [1, 2, 3] beats the nearer [2, 3]
+    assert copied([1, 2, 3, 4], 3, 4, 2) == []  # no suffix occurs earlier
+    assert copied([4, 5, 4], 3, 4, 1) == [5, 4]  # n = 1 allowed: after the earlier 4
+    assert copy_sources([7, 7, 7], 2, 1) == [-1, -1, 1, 2]  # [7, 7] at end 3 last ended at 2
 
 
 def test_a_loop_is_copied_once_it_has_been_seen() -> None:
