@@ -4,7 +4,7 @@
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
 # .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels
 # (a superset, downloaded by bench/carry_assets.py).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality scale chat ngram
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality scale chat
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
@@ -99,12 +99,6 @@ for s in $steps; do
       [ -d /tmp/qs/target ] || { echo "no /tmp/qs/target: run the scale step on this machine first"; exit 1; }
       python3 -m bench.regenerate --target /tmp/qs/target --chat .carry_b/scale/train_conversations.jsonl.xz \
         --reuse-prefixes on --reuse-prefixes off --json '"$OUT"'/chat.json '"${CHAT_ARGS:-}"'' ;;
-    # the copy drafter's greedy tau (bench/ngram_baseline.py) on the held-out prompts, from the SmolLM2
-    # folder a scale step made on this machine; NGRAM_ARGS appends flags
-    ngram) step ngram 200 bash -c '
-      [ -d /tmp/qs/target ] || { echo "no /tmp/qs/target: run the scale step on this machine first"; exit 1; }
-      python3 -m bench.ngram_baseline --target /tmp/qs/target --prompts .carry_b/scale/eval_prompts.jsonl \
-        --json '"$OUT"'/ngram.json '"${NGRAM_ARGS:-}"'' ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done

@@ -56,6 +56,7 @@ from dflash_pipeline.train.config import TrainConfig
 
 HEAD_TOKENS = TrainConfig.eval_decode_head  # online tau split where the trainer's tau_decode_head ends
 TRAIN_FILE, EVAL_FILE, DOMAINS_FILE = "train_conversations.jsonl.xz", "eval_prompts.jsonl", "eval_domains.json"
+NGRAM_PREFIX = "ngram_N"  # the copy drafter's tau (stage ngram), one file per --max-new-tokens
 EVALUATIONS_FILE = "evaluations.json"  # per evaluation report: how many ran at once, its seconds, its log
 DOMAINS = ("code", "math", "writing", "other")
 _CODE = re.compile(
@@ -506,6 +507,18 @@ def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
     return row
 
 
+def ngram(args) -> None:
+    """bench/ngram_baseline.py on the held-out prompts: the copy drafter's tau, the baseline of the
+    trained drafters' (NGRAM_PREFIX + N.json)."""
+    from bench.ngram_baseline import main as ngram_baseline
+
+    report = args.out / f"{NGRAM_PREFIX}{args.max_new_tokens}.json"
+    cmd = ["--target", str(args.target), "--prompts", str(args.prompts / EVAL_FILE), "--limit", str(args.limit)]
+    cmd += ["--max-new-tokens", str(args.max_new_tokens), "--device", args.device, "--json", str(report)]
+    cmd += ["--windows", *map(str, args.windows)] if args.windows else []
+    timed(args.out / "seconds.json", f"ngram N={args.max_new_tokens}", lambda: ngram_baseline(cmd))
+
+
 def report(args) -> dict:
     """Everything measured: each store's manifest, each run's metrics, each evaluation."""
     domains = json.loads((args.prompts / DOMAINS_FILE).read_text()) if args.prompts else None
@@ -516,6 +529,7 @@ def report(args) -> dict:
         "seconds": read(args.out / "seconds.json"),
         "runs": {m.parent.name: run_summary(m.parent) for m in sorted(args.out.glob("*/metrics.jsonl"))},
         "evaluations": [evaluation_row(path, domains, index) for path in sorted(args.out.glob("eval_*.json"))],
+        "ngram": {path.name: json.loads(path.read_text()) for path in sorted(args.out.glob(f"{NGRAM_PREFIX}*.json"))},
     }
     emit(result, args.json)
     return result
@@ -529,12 +543,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--eval-per-domain", type=int, default=8)
-    for name in ("regenerate", "train", "evaluate", "report"):
+    for name in ("regenerate", "train", "evaluate", "ngram", "report"):
         s = sub.add_parser(name)
         s.add_argument("--out", type=Path, required=True, help="the run's folder (store, runs, reports)")
         s.add_argument("--prompts", type=Path, default=None, help="the folder `prompts` wrote")
         s.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-        if name in ("regenerate", "evaluate"):
+        if name in ("regenerate", "evaluate", "ngram"):
             s.add_argument("--target", type=Path, required=True, help="the target's HF folder")
             s.add_argument("--max-new-tokens", type=int, default=512 if name == "regenerate" else 128)
     sub.choices["regenerate"].add_argument("--max-length", type=int, default=2048)
@@ -588,13 +602,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument(
         "--windows", type=int, nargs="*", default=[], help="with --chain: tau also at these shorter --max-new-tokens"
     )
+    n = sub.choices["ngram"]
+    n.add_argument("--limit", type=int, default=32)
+    n.add_argument("--windows", type=int, nargs="*", default=[], help="tau also at these shorter lengths")
     sub.choices["report"].add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if getattr(args, "parallel", 1) < 1:
         ap.error("--parallel: 1 or more")
     if getattr(args, "chain", False) and args.temperature != [0]:
         ap.error("--chain measures greedy decoding: --temperature 0 alone")
-    if getattr(args, "windows", None) and not args.chain:
+    if getattr(args, "windows", None) and not getattr(args, "chain", True):
         ap.error("--windows needs --chain")
     return args
 
@@ -605,7 +622,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(conversation_prompts(args.out, args.conversations, args.eval_per_domain)))
     else:
         args.out.mkdir(parents=True, exist_ok=True)
-        {"regenerate": regenerate, "train": train, "evaluate": evaluate, "report": report}[args.stage](args)
+        stages = {"regenerate": regenerate, "train": train, "evaluate": evaluate, "ngram": ngram, "report": report}
+        stages[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 # lent machine returns what it measured even when a stage is cut. A plan line is
 #   DEADLINE_S STAGE ARGS...
 # DEADLINE_S: seconds since STARTED (epoch seconds, default now) by which the line must end; STAGE:
-# regenerate, train or evaluate; ARGS: that stage's own flags, split on whitespace (no quoting). Blank
+# regenerate, train, evaluate or ngram; ARGS: that stage's own flags, split on whitespace (no quoting). Blank
 # lines and lines starting with # are skipped. Lines run in order, each under `timeout` until its
 # deadline; a line with 5 s or less left is skipped. Every line gets `--out RUN --prompts PROMPTS`,
-# regenerate and evaluate also `--target TARGET`; after each line `report` rewrites JSON. Every line is
+# regenerate, evaluate and ngram also `--target TARGET`; after each line `report` rewrites JSON. Every line is
 # checked before any runs (exit 2 on a bad one); exit 1 if a line failed, was cut or was skipped.
 #   bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]
 set -u
@@ -22,7 +22,7 @@ while IFS= read -r line || [ -n "$line" ]; do
   read -r deadline stage _ <<< "$line"
   [[ -z ${deadline:-} || $deadline == \#* ]] && continue
   [[ $deadline =~ ^[0-9]+$ ]] || { echo "$plan:$n: deadline '$deadline' is not whole seconds"; exit 2; }
-  [[ ${stage:-} =~ ^(regenerate|train|evaluate)$ ]] || { echo "$plan:$n: stage '${stage:-}' is not regenerate, train or evaluate"; exit 2; }
+  [[ ${stage:-} =~ ^(regenerate|train|evaluate|ngram)$ ]] || { echo "$plan:$n: stage '${stage:-}' is not regenerate, train, evaluate or ngram"; exit 2; }
   lines+=("$n $line")
 done < "$plan"
 

@@ -234,6 +234,17 @@ def test_chain_evaluations_count_what_decoding_counted(scale_run: SimpleNamespac
         main(["evaluate", *evaluate, "--temperature", "1", "--chain"])
 
 
+@pytest.mark.slow
+def test_ngram_stage_reports_the_copy_drafters_tau(scale_run: SimpleNamespace, tmp_path: Path) -> None:
+    where = ["--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu"]
+    run_ok(
+        "ngram", *where, "--target", str(scale_run.target), "--limit", "2", "--max-new-tokens", "8", "--windows", "4"
+    )
+    ngram = json.loads(run_ok("report", *where[:4]))["ngram"]
+    assert list(ngram) == ["ngram_N8.json"] and set(ngram["ngram_N8.json"]["windows"]) == {"8", "4"}
+    assert ngram["ngram_N8.json"]["prompts"] == 2 and "ngram N=8" in json.loads((tmp_path / "seconds.json").read_text())
+
+
 def test_tokens_per_step_count_every_process(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 10, "type": "eval", "tau": 1.5}) + "\n")
     config = {"store": str(tmp_path / "nowhere"), "pack_tokens": 4096, "packs_per_step": 2, "workers": 1}
@@ -258,7 +269,7 @@ def test_bundled_plans_parse_as_stage_options() -> None:
         for deadline, name, *args in plan_lines(plan):
             deadlines.append(int(deadline))
             where = ["--out", "o", "--prompts", "p"] + ([] if name == "train" else ["--target", "t"])
-            assert name in ("regenerate", "train", "evaluate")
+            assert name in ("regenerate", "train", "evaluate", "ngram")
             assert parse([name, *where, *args]).stage == name
         assert deadlines == sorted(deadlines) and deadlines[-1] < 585, plan  # within the scale step's limit
 
@@ -279,7 +290,10 @@ def scale_plan(tmp_path: Path, plan: str, started: int) -> subprocess.CompletedP
 
 def test_scale_plan_checks_every_line_before_running_any(tmp_path: Path) -> None:
     done = scale_plan(tmp_path, "# a comment\n\n100 train --name x\n200 report\n", int(time.time()))
-    assert (done.returncode, done.stdout) == (2, "test.plan:4: stage 'report' is not regenerate, train or evaluate\n")
+    assert (done.returncode, done.stdout) == (
+        2,
+        "test.plan:4: stage 'report' is not regenerate, train, evaluate or ngram\n",
+    )
     done = scale_plan(tmp_path, "100 train --name x\n2m evaluate --temperature 0", int(time.time()))
     assert (done.returncode, done.stdout) == (2, "test.plan:2: deadline '2m' is not whole seconds\n")
 
