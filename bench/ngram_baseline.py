@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> dict:
             for p, r in zip(prompts, replies)
         ]
         result["windows"][str(n)] = taus(accepted)
+        if n == args.max_new_tokens:
+            result["per_prompt"] = [
+                {"prompt_tokens": len(p), "new_tokens": len(r), "accepted": a}
+                for p, r, a in zip(prompts, replies, accepted)
+            ]
         print(f"n-gram drafter, {n} new tokens: tau {result['windows'][str(n)]['tau']:.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+from test_speculative import B, prompts, random_drafter
+
 from bench.ngram_baseline import copy_sources, main, ngram_matches
+from dflash_pipeline.shared.generation.speculative import dflash_generate, target_generate
+from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target
 from dflash_pipeline.train.chain_tau import chain_accepted
 
 
@@ -26,8 +31,65 @@ def test_a_loop_is_copied_once_it_has_been_seen() -> None:
     assert chain_accepted(reply, ngram_matches(prompt, reply, 4, 2), 12, 4, set()) == [1, 1, 1, 1, 4, 3]
 
 
+def test_the_copy_drafters_chain_counts_what_decoding_with_its_drafts_counts(tiny_target_dir, monkeypatch) -> None:
+    """Real greedy speculative decoding (`dflash_generate`) whose drafter proposes the copied drafts
+    (a token the reply never holds where there are none), against `chain_accepted` over
+    `ngram_matches`: the same steps, on the tiny target's looping replies, where copying pays."""
+    from dflash_pipeline.shared.target.assets import load_tokenizer
+
+    target = load_full_target(tiny_target_dir, device=torch.device("cpu"), dtype=torch.float32)
+    drafter = random_drafter(target)
+    vocab = target.config.vocab_size
+    steps = []
+    for prompt in prompts(load_tokenizer(tiny_target_dir), 3):
+        reply = target_generate(target, prompt, 120, set()).tokens
+        sequence = [*prompt.tolist(), *reply]
+        absent = next(t for t in range(vocab) if t not in sequence)
+        source = copy_sources(sequence, 4, 2)
+        anchor = {}
+        real_step = drafter.forward_step
+
+        def spy_step(ctx, ctx_pos, emb, positions, cache, anchor=anchor, real_step=real_step):
+            anchor["end"] = int(positions[0, 0]) + 1  # the text up to and including the block's first token
+            return real_step(ctx, ctx_pos, emb, positions, cache)
+
+        def copy_logits(hidden, _weight, anchor=anchor, source=source, sequence=sequence, absent=absent):
+            end, n = anchor["end"], hidden.shape[1]
+            start = source[end]
+            drafts = [] if start < 0 else sequence[start : min(start + n, end)]
+            want = drafts + [absent] * (n - len(drafts))
+            logits = torch.zeros(1, n, vocab)
+            logits[0, torch.arange(n), torch.tensor(want)] = 1.0
+            return logits
+
+        monkeypatch.setattr(drafter, "forward_step", spy_step)
+        monkeypatch.setattr(drafter, "compute_logits", copy_logits)
+        capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
+        try:
+            for max_new in (120, 23):
+                decoded = dflash_generate(target, drafter, capture, prompt, max_new, set())
+                assert decoded.tokens == reply[:max_new]
+                assert decoded.accepted == chain_accepted(
+                    reply, ngram_matches(prompt.tolist(), reply, 4, 2), max_new, B, set()
+                )
+                steps += decoded.accepted
+        finally:
+            capture.close()
+    assert max(steps) > 3 and min(steps) == 1  # runs copied from the loops, single tokens elsewhere
+
+
 def test_ngram_baseline_runs_on_the_tiny_target(tiny_target_dir, sample_corpus, tmp_path) -> None:
     args = ["--target", str(tiny_target_dir), "--prompts", str(sample_corpus), "--limit", "3", "--device", "cpu"]
     result = main([*args, "--max-new-tokens", "24", "--windows", "8", "--block-size", "8"])
     assert result["prompts"] == 3 and set(result["windows"]) == {"24", "8"}
     assert all(w["tau"] >= 1 for w in result["windows"].values())
+
+
+def test_copy_task_smoke(tmp_path) -> None:
+    """bench/copy_task.py: the copy drafter copies the repeated span almost whole; the drafter trains
+    with the trainer's loss and is measured on the same held-out sequences."""
+    from bench.copy_task import main as copy_task
+
+    result = copy_task(["--steps", "2", "--eval-every", "1", "--held-out", "2", "--sequences", "1"])
+    assert result["copy_tau"] > 5 and [p["step"] for p in result["curve"]] == [0, 1, 2]
+    assert all(p["tau"] >= 1 for p in result["curve"]) and all("loss" in p for p in result["curve"][1:])
