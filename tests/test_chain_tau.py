@@ -68,10 +68,13 @@ def drafter(request, target, tiny_tokenizer):
 
 
 @pytest.mark.parametrize("max_new", [MAX_NEW, 21, 9, 2])
-def test_the_chain_counts_what_greedy_decoding_counts(target, drafter, tiny_tokenizer, max_new):
+def test_the_chain_counts_what_greedy_decoding_counts(target, drafter, tiny_tokenizer, max_new, monkeypatch):
     """Every verify step's count of `dflash_generate` at `max_new` new tokens, from replies generated
     once with MAX_NEW (the windows of --chain come from them), for learned and unseen prompts, with no
-    stop token and with one that ends a reply early."""
+    stop token and with one that ends a reply early; the blocks drafted 7 to a pass."""
+    from dflash_pipeline.train import chain_tau
+
+    monkeypatch.setattr(chain_tau, "BLOCKS_PER_PASS", 7)
     capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
     head = TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     asked = prompts(tiny_tokenizer, 4)
@@ -92,6 +95,21 @@ def test_the_chain_counts_what_greedy_decoding_counts(target, drafter, tiny_toke
     if max_new == MAX_NEW:  # counts of every size: whole blocks of the learned prompts, single tokens
         # (DFlash-2's random selector reorders the learned drafts, so its blocks fall short of whole)
         assert min(steps) == 1 and max(steps) >= (3 if drafter.candidate_selector is not None else B)
+
+
+def test_replies_come_from_hf_where_the_engine_cannot_run_the_target(target, tiny_tokenizer, monkeypatch):
+    from dflash_pipeline.shared.generation.decoder import GenerationError
+    from dflash_pipeline.train import chain_tau
+
+    asked = [p.tolist() for p in prompts(tiny_tokenizer, 2)]
+    by_engine = greedy_replies(target, asked, 12, {5})
+
+    def unsupported(model, max_context):
+        raise GenerationError("model_type 'other': not run by the engine")
+
+    monkeypatch.setattr(chain_tau, "check_supported", unsupported)
+    monkeypatch.setattr(chain_tau, "GenerationEngine", None)  # any use of the engine would fail
+    assert greedy_replies(target, asked, 12, {5}) == by_engine
 
 
 def test_the_chain_refuses_a_reply_too_short_for_its_limit():

@@ -20,26 +20,35 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from dflash_pipeline.shared.generation.decoder import GenerationError, check_supported
 from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
 from dflash_pipeline.shared.generation.sampling import SamplingParams
+from dflash_pipeline.shared.generation.speculative import target_generate
 from dflash_pipeline.shared.model.blocks import build_blocks
 from dflash_pipeline.shared.model.drafter import DFlashDrafter, DrafterCache
 from dflash_pipeline.shared.model.target_head import TargetHead
 from dflash_pipeline.shared.target.loading import HiddenStateCapture
 from dflash_pipeline.train.step import drafter_hidden
 
-BLOCKS_PER_PASS = 256  # blocks drafted in one pass of the training path
+BLOCKS_PER_PASS = 64  # blocks drafted in one pass (their logits: 64 x 15 x vocab floats)
 
 
 def greedy_replies(
     target: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids
 ) -> list[list[int]]:
     """The target's greedy reply to each prompt (at most `max_new_tokens`, a stop id included), all
-    decoded together by the generation engine (token-identical to HF `generate` in float32)."""
+    decoded together by the generation engine (token-identical to HF `generate` in float32), or one
+    at a time by HF's forward where the engine cannot run the architecture."""
     settings = EngineSettings(
         max_batch=min(len(prompts), EngineSettings.max_batch),
         max_request_tokens=max(map(len, prompts)) + max_new_tokens,
     )
+    try:
+        check_supported(target, settings.max_request_tokens)
+    except GenerationError:
+        device = next(target.parameters()).device
+        stops = set(stop_ids)
+        return [target_generate(target, torch.tensor(p, device=device), max_new_tokens, stops).tokens for p in prompts]
     engine = GenerationEngine(target, stop_ids=stop_ids, sampling=SamplingParams(), settings=settings)
     replies = engine.generate([Request(list(p), max_new_tokens) for p in prompts])
     return [r.tokens for r in replies]
