@@ -609,9 +609,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if getattr(args, "parallel", 1) < 1:
         ap.error("--parallel: 1 or more")
-    if getattr(args, "chain", False) and args.temperature != [0]:
+    if args.stage == "evaluate" and args.chain and args.temperature != [0]:
         ap.error("--chain measures greedy decoding: --temperature 0 alone")
-    if getattr(args, "windows", None) and not getattr(args, "chain", True):
+    if args.stage == "evaluate" and args.windows and not args.chain:
         ap.error("--windows needs --chain")
     return args
 

@@ -357,7 +357,7 @@ def schedule_cost(
 
     sizes = qwen3_8b_shape_bytes()
     weights, kv = sizes["weight_bytes_read_per_step"], sizes["kv_bytes_per_token"]
-    flops_per_row = 2 * weights / 2  # two FLOPs per bf16 weight read
+    flops_per_row = weights  # two FLOPs per weight, two bytes per bf16 weight
     buckets = graph_buckets(batch, bucket_step)
     bw, peak = args.cost_bandwidth, args.cost_peak_flops
     roofline = sum(

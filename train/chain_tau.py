@@ -116,8 +116,9 @@ class BlockMatches:
             }
             hidden = drafter_hidden(self.drafter, self.head, {k: v[None] for k, v in batch.items()})
             hidden = hidden.reshape(len(anchors), B, -1)[:, 1:]
-            drafts = _drafts(self.drafter, hidden, seq[anchors.to(dev)], self.head.lm_head)
-            matches += _matching(drafts, seq, anchors.to(dev)).tolist()
+            anchors = anchors.to(dev)
+            drafts = _drafts(self.drafter, hidden, seq[anchors], self.head.lm_head)
+            matches += _matching(drafts, seq, anchors).tolist()
         return matches
 
     @torch.inference_mode()

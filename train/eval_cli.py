@@ -207,7 +207,6 @@ def evaluate(cfg: EvalConfig) -> dict:
 def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[int]], stop_ids, dtype) -> dict:
     """`--chain`: greedy tau from the target's replies and the drafter's blocks along them (module
     train.chain_tau), at --max-new-tokens and at each of --windows."""
-    from dflash_pipeline.shared.generation.speculative import Generation
     from dflash_pipeline.shared.model.target_head import TargetHead
     from dflash_pipeline.train.chain_tau import BlockMatches, chain_accepted, greedy_replies, sequence_features
 
@@ -230,7 +229,7 @@ def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[i
             {
                 "prompt_tokens": len(ids),
                 "new_tokens": len(reply),
-                "tau": Generation([], 0.0, accepted[cfg.max_new_tokens][-1]).tau,
+                "tau": taus(accepted[cfg.max_new_tokens][-1:])["tau"],
                 "accepted": accepted[cfg.max_new_tokens][-1],
                 "target_tokens": reply,
             }
