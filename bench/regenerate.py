@@ -73,7 +73,7 @@ TRAIN_EPOCHS = 6  # dflash-train's default --epochs
 QWEN3_FIRST_SPECIAL_ID = 151_643  # <|endoftext|>; Qwen3's special/added ids are 151643 and above
 QWEN3_IM_END_ID = 151_645
 WARM_KEY = 1 << 40  # keys of warm-up requests (timed requests use their index)
-NOT_COUNTERS = {"kv_cache_pages", "page_size"}  # engine.stats entries that are settings, not counters
+NOT_COUNTERS = {"kv_cache_pages", "page_size", "kv_cache_dtype"}  # engine.stats entries that are settings, not counters
 
 
 # ------------------------------------------------------------------ model
@@ -413,6 +413,12 @@ def copy_bandwidth(device: torch.device, repeats: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def with_kv_cache_dtype(sizes: dict, cache_dtype: str, model_dtype: str) -> dict:
+    """`sizes` with the KV bytes of a cache held in `cache_dtype` instead of the model's dtype."""
+    ratio = getattr(torch, cache_dtype).itemsize / getattr(torch, model_dtype).itemsize
+    return {**sizes, "kv_bytes_per_token": int(sizes["kv_bytes_per_token"] * ratio)}
+
+
 def bound_tok_s(batch: float, mean_context: float, sizes: dict, bandwidth: float) -> float:
     """Decode tokens/s at `batch` rows, each attending over `mean_context` tokens, if each step only
     had to read the weights and those KV caches once at `bandwidth`."""
@@ -482,6 +488,7 @@ def run_engine(model, conversations: list[Conversation], batch: int, sampled: bo
         "reuse_prefixes": knobs["reuse_prefixes"],
         "admit_page_fraction": knobs["admit_page_fraction"],
         "admit_wait_steps": knobs["admit_wait_steps"],
+        "kv_cache_dtype": engine.stats["kv_cache_dtype"],
         "sampling": "sampled" if sampled else "greedy",
         "conversations": len(conversations),
         "requests": len(replies),
@@ -952,6 +959,13 @@ def parse_args(argv=None):
         default=None,
         help="engine prefix reuse across turns, repeatable: one engine run per value [default: on]",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float8_e4m3fn"],
+        action="append",
+        default=None,
+        help="the engine's KV cache, repeatable: one engine run per value [default: auto, the model's dtype]",
+    )
     ap.add_argument("--max-prompt", type=int, default=None, help="[default: 1024 on CUDA, 128 on CPU]")
     ap.add_argument("--min-prompt", type=int, default=None, help="[default: 64/1024 of --max-prompt]")
     ap.add_argument("--mean-prompt", type=float, default=None, help="[default: 300/1024 of --max-prompt]")
@@ -1080,6 +1094,7 @@ def parse_args(argv=None):
 
     args.bucket_step = args.bucket_step or [EngineSettings.graph_bucket_step]
     args.reuse_prefixes = [v == "on" for v in args.reuse_prefixes or ["on"]]
+    args.kv_cache_dtype = [None if v == "auto" else v for v in args.kv_cache_dtype or ["auto"]]
     args.admit_page_fraction = args.admit_page_fraction or [EngineSettings.admit_page_fraction]
     args.admit_wait_steps = args.admit_wait_steps or [EngineSettings.admit_wait_steps]
     if args.turns < 1:
@@ -1172,6 +1187,7 @@ def main(argv=None) -> dict:
     result = {
         "model": what,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": dtype_name(dtype),
         "args": {k: v for k, v in vars(args).items()},
         "workload": {
             "conversations": len(conversations),
@@ -1300,12 +1316,13 @@ def main(argv=None) -> dict:
                 f"{r['separate_ms']:.2f} ms, fused {r['fused_ms']:.2f} ms ({r['speedup']:.2f}x)"
             ),
         )
-    for batch, step, reuse, pages, wait, sampled in itertools.product(
+    for batch, step, reuse, pages, wait, kv_dtype, sampled in itertools.product(
         args.batch,
         args.bucket_step,
         args.reuse_prefixes,
         args.admit_page_fraction,
         args.admit_wait_steps,
+        args.kv_cache_dtype,
         [False, True] if args.sampled else [False],
     ):
         knobs = {
@@ -1313,10 +1330,11 @@ def main(argv=None) -> dict:
             "reuse_prefixes": reuse,
             "admit_page_fraction": pages,
             "admit_wait_steps": wait,
+            "kv_cache_dtype": kv_dtype,
         }
         name = (
             f"engine batch {batch} bucket step {step} reuse {'on' if reuse else 'off'} "
-            f"admit pages {pages:g} wait {wait}{' sampled' if sampled else ''}"
+            f"admit pages {pages:g} wait {wait}{' KV ' + kv_dtype if kv_dtype else ''}{' sampled' if sampled else ''}"
         )
         row = attempt(
             name,
@@ -1344,12 +1362,13 @@ def main(argv=None) -> dict:
         for b, base in hf.items():
             row[f"vs_hf_batch{b}"] = row["tokens_per_s"] / base["tokens_per_s"]
         if "mean_context" in row:
-            row["bound_tok_s"] = bound_tok_s(row["batch"], row["mean_context"], sizes, bandwidth)
+            row_sizes = with_kv_cache_dtype(sizes, row["kv_cache_dtype"], result["dtype"])
+            row["bound_tok_s"] = bound_tok_s(row["batch"], row["mean_context"], row_sizes, bandwidth)
             row["fraction_of_bound"] = row["tokens_per_s"] / row["bound_tok_s"]
             st = row["stats"]
             sched_s = (
-                st["decode_steps"] * sizes["weight_bytes_read_per_step"]
-                + st["kv_tokens_read"] * sizes["kv_bytes_per_token"]
+                st["decode_steps"] * row_sizes["weight_bytes_read_per_step"]
+                + st["kv_tokens_read"] * row_sizes["kv_bytes_per_token"]
             ) / bandwidth
             row["schedule_bound_s"] = sched_s
             row["schedule_bound_tok_s"] = row["useful_tokens"] / sched_s
@@ -1360,7 +1379,7 @@ def main(argv=None) -> dict:
     for row in result["engine"] + result["hf_generate"]:
         row.pop("_tokens", None)
 
-    greedy = [r for r in result["engine"] if r["sampling"] == "greedy"]
+    greedy = [r for r in result["engine"] if r["sampling"] == "greedy" and r["kv_cache_dtype"] == result["dtype"]]
     best = max(greedy, key=lambda r: r["tokens_per_s"]) if greedy else None
     old = hf.get(32)
     result["recipe_estimate"] = recipe_estimate(args, best, old and old["tokens_per_s"], sizes, bandwidth)
@@ -1405,6 +1424,7 @@ def print_summary(result: dict, args) -> None:
         name = f"engine {r['sampling']} B={r['batch']} s={r['bucket_step']} p={r['admit_page_fraction']:.3g}"
         name += f" w={r['admit_wait_steps']}"
         name += "" if r["reuse_prefixes"] else " noreuse"
+        name += "" if r["kv_cache_dtype"] == result["dtype"] else " fp8 KV"
         line = f"{name:<46}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}"
         line += "".join(f"{r.get(f'vs_hf_batch{b}', float('nan')):>7.2f}x" for b in hf_batches)
         if "bound_tok_s" in r:

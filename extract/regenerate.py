@@ -52,6 +52,13 @@ class RegenerateSettings:
         range=(1, None),
         help="--regenerate: replies per conversation, each stored as its own sample (needs --temperature > 0).",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        choices=("auto", "float8_e4m3fn"),
+        help="--regenerate: the generation engine's KV cache. float8_e4m3fn halves the bytes a decode step reads "
+        "(faster on GPU, twice the tokens in memory) but rounds keys and values, so replies are no longer "
+        "exactly the target's own [default: auto, the target's dtype: lossless].",
+    )
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -66,7 +73,16 @@ class RegenerateSettings:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
 
     def to_dict(self) -> dict:
-        return {"method": "greedy" if self.temperature == 0 else "sampled", **asdict(self)}
+        values = asdict(self)
+        if (
+            values["kv_cache_dtype"] == "auto"
+        ):  # the lossless default: stores made before the option keep their fingerprint
+            del values["kv_cache_dtype"]
+        return {"method": "greedy" if self.temperature == 0 else "sampled", **values}
+
+    @property
+    def engine_kv_cache_dtype(self) -> str | None:
+        return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @classmethod
     def from_dict(cls, values: dict) -> RegenerateSettings:
@@ -317,7 +333,9 @@ def _generate(
         model,
         stop_ids=stops,
         sampling=settings.sampling,
-        settings=EngineSettings(**{**asdict(base), "max_request_tokens": capacity}),
+        settings=EngineSettings(
+            **{**asdict(base), "max_request_tokens": capacity, "kv_cache_dtype": settings.engine_kv_cache_dtype}
+        ),
     )
     if rank == 0:
         progress_note(f"regenerate rank 0: generation engine built in {time.perf_counter() - built:.1f} s")

@@ -233,3 +233,66 @@ def test_with_rows_to_spare_next_turns_wait_to_be_prefilled_together(model):
     (eager, eager_prefills), (batched, batched_prefills) = run(0), run(8)
     assert batched == eager
     assert batched_prefills < 0.6 * eager_prefills  # 13 against 25 here
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    return x.clamp(-limit, limit).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """HF's sdpa attention over keys and values rounded to fp8: what an fp8 KV cache gives attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, fp8_round_trip(key), fp8_round_trip(value), attention_mask, **kwargs)
+
+
+@pytest.fixture
+def hf_with_fp8_kv(model):
+    """`model` whose HF attention reads fp8-rounded keys and values, for the duration of a test."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("fp8_kv_sdpa", fp8_kv_sdpa)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("fp8_kv_sdpa")
+    yield model
+    model.set_attn_implementation(before)
+
+
+def test_fp8_kv_cache_replies_equal_hf_generate_attending_to_fp8_keys_and_values(model, hf_with_fp8_kv):
+    """The fp8 cache changes nothing but the keys' and values' rounding: every greedy reply is HF's
+    with its attention reading rounded keys and values; a later turn that reuses the cached (rounded)
+    conversation replies as one that prefills it again."""
+    requests = workload(8, seed=2)
+    want = [hf_greedy(hf_with_fp8_kv, r, []) for r in requests]
+    settings = EngineSettings(max_batch=3, max_request_tokens=80, page_size=4, kv_cache_dtype="float8_e4m3fn")
+    replies = GenerationEngine(model, stop_ids=[], sampling=GREEDY, settings=settings).generate(requests)
+    assert [r.tokens for r in replies] == want
+    turns = conversations(6, seed=3)
+    chats = []
+    for reuse in (True, False):
+        settings = EngineSettings(
+            max_batch=3, max_request_tokens=96, page_size=4, reuse_prefixes=reuse, kv_cache_dtype="float8_e4m3fn"
+        )
+        chats.append(converse(GenerationEngine(model, stop_ids=[], sampling=GREEDY, settings=settings), turns))
+    assert chats[0] == chats[1]
+    asked, said = chats[0]
+    for prompts, replies, conv in zip(asked, said, turns):
+        assert [r.tokens for r in replies] == [
+            hf_greedy(hf_with_fp8_kv, Request(p, L), []) for p, (_, L) in zip(prompts, conv)
+        ]
+
+
+def test_fp8_kv_cache_is_lossy_and_takes_one_byte_an_element(model):
+    """The option changes replies on this target (so the test above tells it from the default), and
+    the cache really is fp8; an unknown dtype is refused."""
+    requests = workload(8, seed=2)
+    runs = {}
+    for dtype in (None, "float8_e4m3fn"):
+        settings = EngineSettings(max_batch=3, max_request_tokens=80, page_size=4, kv_cache_dtype=dtype)
+        eng = GenerationEngine(model, stop_ids=[], sampling=GREEDY, settings=settings)
+        runs[dtype] = [r.tokens for r in eng.generate(requests)]
+        assert eng.decoder.cache.keys[0].dtype == (torch.float8_e4m3fn if dtype else torch.float32)
+    assert runs[None] != runs["float8_e4m3fn"]
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not one of"):
+        EngineSettings(kv_cache_dtype="int8")

@@ -165,6 +165,8 @@ def test_argument_checks():
         paged_decode_attention(q[:, :3], k, v, table, lengths, 1.0)
     with pytest.raises(ValueError, match="dtype"):
         paged_decode_attention(q.double(), k, v, table, lengths, 1.0)
+    with pytest.raises(ValueError, match="must share q's dtype or torch.float8_e4m3fn"):
+        paged_decode_attention(q, k.to(torch.float8_e4m3fn), v, table, lengths, 1.0)
 
 
 def test_launch_defaults_come_from_shapes(monkeypatch):
@@ -280,3 +282,16 @@ def test_triton_kernel_under_interpreter():
         pytest.skip(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"
     assert "interpreter cases passed" in proc.stdout
+
+
+@BOTH_CPU_PATHS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_pages_read_as_the_pages_converted_first(attention, dtype):
+    """An fp8 KV cache: each path converts the pages to q's dtype as it reads them, so its result is the
+    same path's over the converted pages, exactly (NaN in unread slots included: fp8 holds NaN too)."""
+    q, k, v, table, lengths = make_case(7, 8, 2, 16, 4, 5, dtype, seed=21)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    out = attention(q, k8, v8, table, lengths, 0.25)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert torch.equal(out, attention(q, k8.to(dtype), v8.to(dtype), table, lengths, 0.25))
+    assert not torch.equal(out, attention(q, k, v, table, lengths, 0.25))  # the rounding is there to see

@@ -125,6 +125,19 @@ def test_sampled_replies_follow_the_seed_not_the_batch_size(target, tiny_tokeniz
     assert replies(0, "s0", 1) != replies(1, "s1", 1)
 
 
+def test_fp8_kv_cache_is_a_setting_of_the_replies(target, tiny_tokenizer, tmp_path):
+    """`--kv-cache-dtype float8_e4m3fn` reaches the engine (other replies than the lossless default)
+    and the fingerprinted settings; the default leaves them as they were before the option."""
+    lossless = RegenerateSettings(max_new_tokens=16)
+    fp8 = RegenerateSettings(max_new_tokens=16, kv_cache_dtype="float8_e4m3fn")
+    assert "kv_cache_dtype" not in lossless.to_dict() and fp8.to_dict()["kv_cache_dtype"] == "float8_e4m3fn"
+    assert RegenerateSettings.from_dict(fp8.to_dict()) == fp8
+    assert RegenerateSettings.from_dict(lossless.to_dict()) == lossless
+    want = replies_of(regenerate(target, tiny_tokenizer, tmp_path, lossless, name="bf")[0])
+    got = replies_of(regenerate(target, tiny_tokenizer, tmp_path, fp8, name="f8")[0])
+    assert got.keys() == want.keys() and got != want
+
+
 def test_samples_per_prompt_gives_n_samples_that_stay_in_one_holdout_group(target, tiny_tokenizer, tmp_path):
     settings = RegenerateSettings(max_new_tokens=10, temperature=1.5, seed=0, samples_per_prompt=3)
     out, stats = regenerate(target, tiny_tokenizer, tmp_path, settings)
@@ -193,10 +206,11 @@ def test_extract_with_regenerate_stores_prompt_plus_generated_reply(tiny_target_
         user_turns = [m for m in originals[s.sample_index].messages if m["role"] != "assistant"]
         assert [m for m in entry["messages"] if m["role"] != "assistant"] == user_turns
 
-    # a rerun with other generation settings is another store, refused
-    other = ExtractConfig(**{**cfg.to_dict(), "regenerate": {**settings, "max_new_tokens": 11}})
-    with pytest.raises(Exception, match="other settings"):
-        run_extraction(other)
+    # a rerun with other generation settings is another store, refused; the fp8 KV cache is one
+    for changed in ({"max_new_tokens": 11}, {"kv_cache_dtype": "float8_e4m3fn"}):
+        other = ExtractConfig(**{**cfg.to_dict(), "regenerate": {**settings, **changed}})
+        with pytest.raises(Exception, match="other settings"):
+            run_extraction(other)
 
 
 def regenerate_command(target: Path, data: Path, out: Path, workers: int, gen_batch: int) -> list[str]:

@@ -24,6 +24,10 @@ kv head `h // (num_heads // num_kv_heads)`.
   table, boolean mask, `scaled_dot_product_attention` in q's dtype with grouped kv heads); also
   graph-safe. The tests' reference for both paths.
 
+The pages may also hold `KV_FP8` (an fp8 KV cache: half the bytes a decode step reads, the step's
+memory-bound half): every path converts each page to q's dtype as it reads it, so the result is
+exactly the attention over the pages converted first.
+
 Requirements: `lengths[r] >= 1`; head_dim a power of two >= 16; on the Triton path page_size a
 power of two >= 16 as well.
 """
@@ -36,7 +40,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_reference"]
+__all__ = ["KV_FP8", "paged_decode_attention", "paged_decode_attention_reference"]
+
+KV_FP8 = torch.float8_e4m3fn  # the one cache dtype besides q's: read back to q's dtype per page
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -72,10 +78,10 @@ def _check(
             f"paged_decode_attention: expected block_table [b={b}, max_pages] and lengths [b], got "
             f"{tuple(block_table.shape)} and {tuple(lengths.shape)}"
         )
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    if v_pages.dtype != k_pages.dtype or k_pages.dtype not in (q.dtype, KV_FP8):
         raise ValueError(
-            f"paged_decode_attention: q, k_pages, v_pages must share a dtype, got "
-            f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+            f"paged_decode_attention: k_pages and v_pages must share q's dtype or {KV_FP8}, got "
+            f"q {q.dtype}, k_pages {k_pages.dtype}, v_pages {v_pages.dtype}"
         )
 
 
@@ -122,7 +128,8 @@ def _paged_decode_attention_rows(
         pages = block_table[row, : -(-n // page_size)].long()
         # 4-d [1, kv_heads, n, head_dim] views: SDPA's CPU flash kernel takes them as they are
         k, v = (
-            t.index_select(0, pages).view(-1, kv_heads, head_dim)[None, :n].transpose(1, 2) for t in (k_pages, v_pages)
+            t.index_select(0, pages).to(q.dtype).view(-1, kv_heads, head_dim)[None, :n].transpose(1, 2)
+            for t in (k_pages, v_pages)
         )
         out[row] = F.scaled_dot_product_attention(
             q[row, None, :, None], k, v, scale=scale, enable_gqa=heads != kv_heads
@@ -151,8 +158,8 @@ def paged_decode_attention_reference(
     valid = torch.arange(seq, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [b, S]
     masked = ~valid[:, :, None, None]  # [b, S, 1, 1]
     # [b, max_pages, P, kvh, D] -> [b, S, kvh, D] (a new tensor: zeroed in place) -> [b, kvh, S, D]
-    k = k_pages[table].reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
-    v = v_pages[table].reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
+    k = k_pages[table].to(q.dtype).reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
+    v = v_pages[table].to(q.dtype).reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
     # enable_gqa: kv head j serves query heads j*n_rep.. (HF's `repeat_kv` rule) without materializing
     # the repeated keys and values, whose copy cost several times the attention itself on the CPU
     out = F.scaled_dot_product_attention(
@@ -236,7 +243,7 @@ def _paged_decode_attention_triton(
     if b == 0 or max_pages == 0:
         return out
     if num_stages is None:
-        num_stages = _default_stages(page_size, head_dim, q.element_size())
+        num_stages = _default_stages(page_size, head_dim, k_pages.element_size())
     if num_warps is None:
         num_warps = _default_warps(page_size, head_dim)
     kernels = _kernels()
@@ -401,8 +408,9 @@ def _kernels():
             for i in range(c0, tl.minimum(c0 + CHUNK, last)):
                 page = tl.sum(tl.where(c == i - c0, ids, 0), 0).to(tl.int64)
                 tok_ok = (i * PAGE + t) < length
-                k = tl.load(k_tile + page * s_kp, mask=tok_ok[:, None], other=0.0)
-                v = tl.load(v_tile + page * s_vp, mask=tok_ok[:, None], other=0.0)
+                # an fp8 cache's pages become q's dtype here (a no-op for a cache in q's dtype)
+                k = tl.load(k_tile + page * s_kp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+                v = tl.load(v_tile + page * s_vp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:

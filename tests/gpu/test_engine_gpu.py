@@ -32,9 +32,14 @@ def workload(n: int) -> list[Request]:
     ]
 
 
-def run(model, requests, sampling, graphs, max_batch=16, bucket_step=64):
+def run(model, requests, sampling, graphs, max_batch=16, bucket_step=64, kv_cache_dtype=None):
     settings = EngineSettings(
-        max_batch=max_batch, max_request_tokens=320, page_size=16, cuda_graphs=graphs, graph_bucket_step=bucket_step
+        max_batch=max_batch,
+        max_request_tokens=320,
+        page_size=16,
+        cuda_graphs=graphs,
+        graph_bucket_step=bucket_step,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return [
         r.tokens for r in GenerationEngine(model, stop_ids=[], sampling=sampling, settings=settings).generate(requests)
@@ -64,6 +69,16 @@ def test_sampled_graph_decode_is_independent_of_batching(model):
     full = run(model, requests, sampling, True)
     assert full == run(model, requests, sampling, True, max_batch=5)
     assert full == run(model, requests, sampling, False, max_batch=7)
+
+
+def test_fp8_kv_cache_graph_decode_equals_eager(model):
+    """The fp8 cache under CUDA graphs (the Triton kernel's fp8 loads) replies as without graphs (the
+    same kernel, eager), greedy and sampled, and differs from the lossless cache."""
+    requests = workload(40)
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)):
+        graphed = run(model, requests, sampling, True, kv_cache_dtype="float8_e4m3fn")
+        assert graphed == run(model, requests, sampling, False, max_batch=7, kv_cache_dtype="float8_e4m3fn")
+    assert graphed != run(model, requests, sampling, True)
 
 
 @pytest.mark.parametrize("continued", [False, True])

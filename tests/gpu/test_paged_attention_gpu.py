@@ -118,6 +118,32 @@ def test_kernel_equals_reference(dtype, shape, splits):
         assert err < 1e-2
 
 
+@pytest.mark.parametrize("splits", [None, 1, 4])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[5], SHAPES[6]], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, shape, splits):
+    """An fp8 KV cache: the kernel converts each page as it loads it, so it computes the attention
+    over the pages converted to q's dtype (NaN-poisoned unread slots stay unread in fp8 too)."""
+    case = make_case(*shape, dtype, seed=sum(shape) + 1)
+    q, k, v, table, lengths = case
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    scale = shape[3] ** -0.5
+    if splits is None:
+        out = paged_decode_attention(q, k8, v8, table, lengths, scale)
+    else:
+        out = _paged_decode_attention_triton(q, k8, v8, table, lengths, scale, num_splits=splits)
+    assert torch.isfinite(out).all()
+    converted = (q, k8.to(dtype), v8.to(dtype), table, lengths)
+    if dtype == torch.float32:
+        err = (out.double() - reference(converted, scale, torch.float64)).abs().max().item()
+        print(f"\nfp8 pages {shape} {dtype} splits={splits}: max abs err vs float64 {err:.2e}")
+        assert err < 2e-5
+    else:
+        err = rel(out, reference(converted, scale))
+        print(f"\nfp8 pages {shape} {dtype} splits={splits}: rel err vs bf16 reference {err:.2e}")
+        assert err < 1e-2
+
+
 def test_default_returns_new_tensor_and_int64_lengths():
     q, k, v, table, lengths = make_case(6, 8, 2, 64, 16, 200, torch.bfloat16, seed=1)
     a = paged_decode_attention(q, k, v, table, lengths, 0.125)
