@@ -1,7 +1,8 @@
 """Paged decode attention on one GPU: the Triton kernel against the device's copy bandwidth and the torch reference.
 
 What is timed: `dflash_pipeline.shared.generation.paged_attention` for one decode step of one layer at
-Qwen3-8B's attention shapes (32 query heads, 8 kv heads, head_dim 128, bf16), page size 64, batches
+Qwen3-8B's attention shapes (32 query heads, 8 kv heads, head_dim 128, bf16; the pages bf16 or, with
+`--kv-dtype float8_e4m3fn`, an fp8 KV cache's, whose bytes are what GB/s counts), page size 64, batches
 64 and 256, random context lengths (uniform in [mean - w, mean + w] inside 100..2500, means 550 and
 1500), every row's pages scattered over the pool.
 How: each contender is captured in a CUDA graph of one launch per K/V pool, over `--pools` pools of
@@ -20,6 +21,7 @@ so the defaults can be checked; `default` is what `paged_decode_attention` runs 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 
@@ -38,8 +40,10 @@ def draw_lengths(b: int, mean: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(mean - half, mean + half + 1, (b,), generator=gen)
 
 
-def make_pool(lengths: torch.Tensor, page: int, max_pages: int, gen: torch.Generator, device) -> dict:
-    """K/V pages for these lengths, each row's pages at random places in the pool (plus 5% spare)."""
+def make_pool(
+    lengths: torch.Tensor, page: int, max_pages: int, gen: torch.Generator, device, kv_dtype: torch.dtype
+) -> dict:
+    """K/V pages (`kv_dtype`) for these lengths, each row's pages at random places in the pool (plus 5% spare)."""
     b = len(lengths)
     pages_per_row = (lengths + page - 1) // page
     num_pages = int(pages_per_row.sum() * 1.05) + 1
@@ -50,8 +54,8 @@ def make_pool(lengths: torch.Tensor, page: int, max_pages: int, gen: torch.Gener
         table[r, :n] = perm[start : start + n].to(torch.int32)
         start += n
     shape = (num_pages, page, KV_HEADS, HEAD_DIM)
-    k = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_()
-    v = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_()
+    k = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_().to(kv_dtype)
+    v = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_().to(kv_dtype)
     return {"k": k, "v": v, "table": table.to(device)}
 
 
@@ -116,7 +120,7 @@ def copy_bandwidth(gigabytes: float, repeats: int = 10) -> float:
     return 2 * n * 2 / statistics.median(times)
 
 
-def bench_shape(b: int, mean: int, args, copy_bps: float, seed: int) -> dict:
+def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, args, copy_bps: float, seed: int) -> dict:
     from dflash_pipeline.shared.generation.paged_attention import (
         _default_splits,
         _default_stages,
@@ -131,11 +135,11 @@ def bench_shape(b: int, mean: int, args, copy_bps: float, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     lengths_cpu = draw_lengths(b, mean, gen)
     lengths = lengths_cpu.to(DEVICE, torch.int32)
-    pools = [make_pool(lengths_cpu, page, max_pages, gen, DEVICE) for _ in range(args.pools)]
+    pools = [make_pool(lengths_cpu, page, max_pages, gen, DEVICE, kv_dtype) for _ in range(args.pools)]
     q = torch.randn(b, HEADS, HEAD_DIM, generator=gen).to(DEVICE, torch.bfloat16)
     scale = HEAD_DIM**-0.5
-    elem = 2
-    nbytes = int(lengths_cpu.sum()) * KV_HEADS * HEAD_DIM * elem * 2 + 2 * q.numel() * elem
+    elem = kv_dtype.itemsize
+    nbytes = int(lengths_cpu.sum()) * KV_HEADS * HEAD_DIM * elem * 2 + 2 * q.numel() * q.element_size()
     pool_bytes = sum(p["k"].numel() * 2 * elem for p in pools)
 
     def row(seconds: float) -> dict:
@@ -166,6 +170,7 @@ def bench_shape(b: int, mean: int, args, copy_bps: float, seed: int) -> dict:
     ref_s = time_eager(ref_calls, args.reference_replays)
     result = {
         "batch": b,
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "mean_context_target": mean,
         "mean_context": float(lengths_cpu.float().mean()),
         "min_context": int(lengths_cpu.min()),
@@ -234,6 +239,13 @@ def main() -> None:
         help=f"repeatable, in {MIN_LEN}..{MAX_LEN} [default: 550, 1500]",
     )
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument(
+        "--kv-dtype",
+        choices=["bfloat16", "float8_e4m3fn"],
+        action="append",
+        default=None,
+        help="dtype of the K/V pages, repeatable (an fp8 KV cache: converted as the kernel reads it) [default: bfloat16]",
+    )
     ap.add_argument("--pools", type=int, default=4, help="K/V pools rotated through (L2 never holds a launch's pages)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--reference-replays", type=int, default=10)
@@ -271,19 +283,20 @@ def main() -> None:
         "heads": HEADS,
         "kv_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
-        "dtype": "bfloat16",
+        "dtype": "bfloat16",  # q's; each shape's kv_dtype is its pages'
         "shapes": [],
     }
-    for i, b in enumerate(batches):
-        for j, mean in enumerate(means):
-            r = bench_shape(b, mean, args, copy_bps, seed=1000 * i + j)
-            print(
-                f"b={b} mean={mean}: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
-                f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference",
-                file=sys.stderr,
-                flush=True,
-            )
-            result["shapes"].append(r)
+    for (i, b), (j, mean), kv in itertools.product(
+        enumerate(batches), enumerate(means), [getattr(torch, d) for d in args.kv_dtype or ["bfloat16"]]
+    ):
+        r = bench_shape(b, mean, kv, args, copy_bps, seed=1000 * i + j)
+        print(
+            f"b={b} mean={mean} {r['kv_dtype']} pages: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
+            f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference",
+            file=sys.stderr,
+            flush=True,
+        )
+        result["shapes"].append(r)
     emit(result, args.json)
 
 

@@ -21,7 +21,8 @@ conversations came out identical. Then nothing else runs.
 Schedule replay (`--replay-pages N`): the engine's own admission, paging and reuse decisions over
 the workload, with a decoder that computes nothing (its logits are zeros, and nothing stops a reply
 early, so the schedule depends on the lengths alone), on a pool of N pages (a GPU run's
-`kv_cache_pages`): prefills, prompt tokens, decode steps and rows per knob setting, on any machine,
+`kv_cache_pages` for its model's dtype; an fp8 KV cache's rows get 2N, as the engine fits twice the
+pages in the same memory): prefills, prompt tokens, decode steps and rows per knob setting, on any machine,
 in seconds. Then nothing else runs. `--replay-cost` also models each schedule's time on the GPU
 (`schedule_cost`: decode steps at their roofline over a measured efficiency, prefill at a measured
 rate; defaults from run 6 on the H200, which it reproduces) to choose what a GPU run should try.
@@ -341,12 +342,19 @@ def replay_schedule(model, conversations: list[Conversation], batch: int, knobs:
     keys = ("prefills", "prefill_tokens", "reused_prompt_tokens", "decode_steps", "kv_tokens_read", "evicted_caches")
     row = {"batch": batch, **knobs, **{k: st[k] for k in keys}, "mean_rows": st["decode_rows"] / st["decode_steps"]}
     if args.replay_cost:
-        row["cost"] = schedule_cost(decoder.steps, decoder.prefills, batch, settings.graph_bucket_step, args)
+        row["cost"] = schedule_cost(
+            decoder.steps, decoder.prefills, batch, settings.graph_bucket_step, settings.kv_cache_dtype, args
+        )
     return row
 
 
 def schedule_cost(
-    steps: list[tuple[int, int]], prefills: list[tuple[int, int]], batch: int, bucket_step: int, args
+    steps: list[tuple[int, int]],
+    prefills: list[tuple[int, int]],
+    batch: int,
+    bucket_step: int,
+    kv_cache_dtype: str | None,
+    args,
 ) -> dict:
     """A replayed schedule's time on the GPU of a run whose rates are given (`--cost-*`, default run
     6's on the H200): each decode step serially at its roofline, max(matmul of its rows padded to the
@@ -355,7 +363,7 @@ def schedule_cost(
     sizes are the Qwen3-8B shape's, whatever model replayed the schedule."""
     from dflash_pipeline.shared.generation.engine import graph_buckets
 
-    sizes = qwen3_8b_shape_bytes()
+    sizes = with_kv_cache_dtype(qwen3_8b_shape_bytes(), kv_cache_dtype or "bfloat16", "bfloat16")
     weights, kv = sizes["weight_bytes_read_per_step"], sizes["kv_bytes_per_token"]
     flops_per_row = weights  # two FLOPs per weight, two bytes per bf16 weight
     buckets = graph_buckets(batch, bucket_step)
@@ -555,7 +563,7 @@ def time_projections(model, rows: int, device, repeats: int = 20) -> dict:
     return result
 
 
-def decode_inputs(model, rows: int, context: int, args, device) -> tuple:
+def decode_inputs(model, rows: int, context: int, args, device, kv_cache_dtype: str | None = None) -> tuple:
     """An eager (graph-free) decoder with a KV cache of `rows` rows, and one decode step's inputs:
     random tokens at position `context` with the rows' pages in a block table, (decoder, tokens,
     positions, block_table). The cache holds zeros: a step's time does not depend on the values."""
@@ -570,6 +578,7 @@ def decode_inputs(model, rows: int, context: int, args, device) -> tuple:
         page_size=args.page_size,
         cuda_graphs=False,
         num_pages=rows * per_row + 1,
+        kv_cache_dtype=kv_cache_dtype,
     )
     decoder = GenerationEngine(model, stop_ids=[], sampling=SamplingParams(), settings=settings).decoder
     table = torch.arange(1, rows * per_row + 1, dtype=torch.int32, device=device).view(rows, per_row)
@@ -708,7 +717,7 @@ def profile_prefill(model, conversations: list[Conversation], n: int, args, devi
     }
 
 
-def profile_decode(model, rows: int, context: int, args, device) -> dict:
+def profile_decode(model, rows: int, context: int, args, device, kv_cache_dtype: str | None = None) -> dict:
     """One decode step of `rows` rows at `context` cached tokens each, eager (no CUDA graph, so the
     profiler sees every kernel): its unprofiled wall time, then torch.profiler's device time by
     operator. The step's device time against the graph step the engine runs shows what launches
@@ -716,7 +725,7 @@ def profile_decode(model, rows: int, context: int, args, device) -> dict:
     slow (inputs: `decode_inputs`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    decoder, tokens, positions, table = decode_inputs(model, rows, context, args, device)
+    decoder, tokens, positions, table = decode_inputs(model, rows, context, args, device, kv_cache_dtype)
 
     def step() -> None:
         decoder.decode(tokens, positions, table)
@@ -740,6 +749,7 @@ def profile_decode(model, rows: int, context: int, args, device) -> dict:
     return {
         "rows": rows,
         "context": context,
+        "kv_cache_dtype": str(decoder.cache.keys[0].dtype).removeprefix("torch."),
         "seconds_unprofiled": unprofiled,
         "device_ms": device_ms,
         "by_device_time": [
@@ -932,7 +942,10 @@ def parse_args(argv=None):
         help="conversations (requests when --turns 1) [default: 2000 on CUDA, 64 on CPU]",
     )
     ap.add_argument(
-        "--replay-pages", type=int, default=None, help="replay the engine's schedule on this many pages (module doc)"
+        "--replay-pages",
+        type=int,
+        default=None,
+        help="replay the engine's schedule on this many bf16 pages (module doc)",
     )
     c = ap.add_argument_group(
         "costing a replayed schedule on the GPU (--replay-cost; defaults: run 6, H200, bench/RESULTS.md)"
@@ -1110,19 +1123,27 @@ def parse_args(argv=None):
 def main_replay(model, conversations: list[Conversation], args) -> dict:
     """`--replay-pages`: the schedule of every knob setting alone (module doc)."""
     rows = []
-    for batch, reuse, pages, wait, bucket in itertools.product(
-        args.batch, args.reuse_prefixes, args.admit_page_fraction, args.admit_wait_steps, args.bucket_step
+    for batch, reuse, pages, wait, bucket, kv_dtype in itertools.product(
+        args.batch,
+        args.reuse_prefixes,
+        args.admit_page_fraction,
+        args.admit_wait_steps,
+        args.bucket_step,
+        args.kv_cache_dtype,
     ):
         knobs = {
             "reuse_prefixes": reuse,
             "admit_page_fraction": pages,
             "admit_wait_steps": wait,
             "graph_bucket_step": bucket,
+            "kv_cache_dtype": kv_dtype,
         }
-        row = replay_schedule(model, conversations, batch, knobs, args.replay_pages, args)
+        pool = args.replay_pages * (2 if kv_dtype else 1)  # an fp8 page takes half a bf16 page's bytes
+        row = replay_schedule(model, conversations, batch, knobs, pool, args)
         rows.append(row)
         print(
-            f"replay B={batch} reuse {'on' if reuse else 'off'} admit pages {pages:g} wait {wait} bucket step {bucket}: "
+            f"replay B={batch} reuse {'on' if reuse else 'off'} admit pages {pages:g} wait {wait} bucket step {bucket}"
+            f"{' fp8 KV' if kv_dtype else ''} on {pool} pages: "
             f"{row['prefills']} prefills of {row['prefill_tokens']:,} tokens ({row['reused_prompt_tokens']:,} cached), "
             f"{row['decode_steps']} decode steps at {row['mean_rows']:.1f} rows, {row['evicted_caches']} caches evicted",
             flush=True,
@@ -1284,13 +1305,15 @@ def main(argv=None) -> dict:
             result.setdefault(key, []).append(row)
             print(line(row), flush=True)
 
-    for rows in args.profile_decode:
+    for rows, kv_dtype in itertools.product(args.profile_decode, args.kv_cache_dtype):
         measure_rows(
             "decode_profile",
             f"profile decode at {rows} rows",
-            lambda rows=rows: profile_decode(model, rows, args.profile_decode_context, args, device),
+            lambda rows=rows, kv_dtype=kv_dtype: profile_decode(
+                model, rows, args.profile_decode_context, args, device, kv_dtype
+            ),
             lambda r: (
-                f"decode step of {r['rows']} rows at context {r['context']} (eager): "
+                f"decode step of {r['rows']} rows at context {r['context']}, {r['kv_cache_dtype']} KV (eager): "
                 f"{r['seconds_unprofiled'] * 1e3:.1f} ms, device time {r['device_ms']:.1f} ms; top ops: "
                 + "; ".join(f"{o['op'][:40]} x{o['calls']} {o['self_device_ms']:.2f} ms" for o in r["by_device_time"])
             ),

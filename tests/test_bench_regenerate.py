@@ -130,6 +130,25 @@ def test_bench_regenerate_chat_runs_real_conversations_with_and_without_reuse(ti
     assert json.loads((tmp_path / "chat.json").read_text())["records"] == 5
 
 
+def test_bench_regenerate_rows_per_kv_cache_dtype() -> None:
+    """`--kv-cache-dtype auto --kv-cache-dtype float8_e4m3fn`: one engine row and one decode profile
+    each; the fp8 row's bound counts a quarter of the float32 model's KV bytes (one byte an element),
+    and the recipe estimate takes the lossless row."""
+    from bench.regenerate import bound_tok_s
+
+    args = ["--device", "cpu", "--shape", "tiny", "--requests", "6", "--max-prompt", "24", "--max-reply", "12"]
+    args += ["--batch", "4", "--skip-baseline", "--kv-cache-dtype", "auto", "--kv-cache-dtype", "float8_e4m3fn"]
+    result = main([*args, "--profile-decode", "3", "--profile-decode-context", "20"])
+    lossless, fp8 = result["engine"]
+    assert (lossless["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("float32", "float8_e4m3fn")
+    quarter = {**result, "kv_bytes_per_token": result["kv_bytes_per_token"] // 4}
+    bandwidth = result["copy_bandwidth_GBps"] * 1e9
+    assert fp8["bound_tok_s"] == pytest.approx(bound_tok_s(4, fp8["mean_context"], quarter, bandwidth))
+    assert lossless["bound_tok_s"] == pytest.approx(bound_tok_s(4, lossless["mean_context"], result, bandwidth))
+    assert result["recipe_estimate"]["regen_engine_tok_s_per_gpu"] == lossless["tokens_per_s"]
+    assert [d["kv_cache_dtype"] for d in result["decode_profile"]] == ["float32", "float8_e4m3fn"]
+
+
 def test_bench_regenerate_replays_the_engines_schedule_without_computing() -> None:
     """`--replay-pages`: the schedule alone; reuse moves prompt tokens from prefill to the cache
     without changing the decode steps, and waiting to admit prefills fewer, larger batches."""
@@ -167,11 +186,12 @@ def test_schedule_cost_charges_each_step_its_padded_rows_and_kv_reads() -> None:
         cost_bandwidth=4e12, cost_peak_flops=800e12, cost_step_efficiency=0.5, cost_prefill_tok_s=40_000
     )
     steps = [(3, 3_000), (100, 60_000), (200, 120_000)]  # buckets of 4, 128 and 256 rows (step 64, batch 256)
-    cost = schedule_cost(steps, [(8_000, 5)], batch=256, bucket_step=64, args=args)
-    # up to ~200 rows the weight read outlasts the matmul (2 FLOPs per 2-byte weight per row)
-    expected = weights / 4e12 + 3_000 * kv / 4e12
-    expected += weights / 4e12 + 60_000 * kv / 4e12
-    expected += weights * 256 / 800e12 + 120_000 * kv / 4e12
-    assert cost["decode_roofline_s"] == pytest.approx(expected)
-    assert cost["decode_s"] == pytest.approx(2 * expected) and cost["prefill_s"] == pytest.approx(0.2)
-    assert cost["tok_s"] == pytest.approx((303 + 5) / (2 * expected + 0.2))
+    for kv_cache_dtype, kv_bytes in ((None, kv), ("float8_e4m3fn", kv // 2)):  # fp8: half the KV bytes
+        cost = schedule_cost(steps, [(8_000, 5)], batch=256, bucket_step=64, kv_cache_dtype=kv_cache_dtype, args=args)
+        # up to ~200 rows the weight read outlasts the matmul (2 FLOPs per 2-byte weight per row)
+        expected = weights / 4e12 + 3_000 * kv_bytes / 4e12
+        expected += weights / 4e12 + 60_000 * kv_bytes / 4e12
+        expected += weights * 256 / 800e12 + 120_000 * kv_bytes / 4e12
+        assert cost["decode_roofline_s"] == pytest.approx(expected)
+        assert cost["decode_s"] == pytest.approx(2 * expected) and cost["prefill_s"] == pytest.approx(0.2)
+        assert cost["tok_s"] == pytest.approx((303 + 5) / (2 * expected + 0.2))

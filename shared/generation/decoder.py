@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.varlen import varlen_attn
 
-from dflash_pipeline.shared.generation.paged_attention import KV_FP8, paged_decode_attention
+from dflash_pipeline.shared.generation.paged_attention import KV_FP8, gather, paged_decode_attention
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.target.loading import text_config
 
@@ -296,22 +296,14 @@ class PagedDecoder:
     def _store(
         self, layer: int, cache_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v into their cache slots; returns them as the cache holds them, in k's dtype."""
+        """Writes k, v into their cache slots; returns them as the cache holds them (its dtype)."""
         flat = (-1, self.kv_heads, self.head_dim)
         k_held, v_held = self.cache.encode(k), self.cache.encode(v)
         for pages, held in ((self.cache.keys[layer], k_held), (self.cache.values[layer], v_held)):
             if held.dtype == KV_FP8:  # the same bytes as uint8: index_copy_ has no fp8 kernel on the CPU
                 pages, held = pages.view(torch.uint8), held.view(torch.uint8)
             pages.view(flat).index_copy_(0, cache_index, held)
-        return k_held.to(k.dtype), v_held.to(v.dtype)
-
-    def _read(self, pages: torch.Tensor, cache_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """One layer's cache slots `cache_index`, in `dtype` (fp8 gathered as its bytes: an fp8 gather
-        kernel is not on every device)."""
-        flat = pages.view(-1, self.kv_heads, self.head_dim)
-        if pages.dtype == KV_FP8:
-            return flat.view(torch.uint8)[cache_index].view(KV_FP8).to(dtype)
-        return flat[cache_index].to(dtype)
+        return k_held, v_held
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
@@ -337,10 +329,11 @@ class PagedDecoder:
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim)
             # a lossy (fp8) cache: the prompt attends to what decoding and a later turn will read
-            k, v = self._store(i, cache_index, k, v)
+            k, v = (held.to(q.dtype) for held in self._store(i, cache_index, k, v))
             if context_index is not None:
-                k = self._read(self.cache.keys[i], context_index, q.dtype)
-                v = self._read(self.cache.values[i], context_index, q.dtype)
+                flat = (-1, self.kv_heads, self.head_dim)
+                k = gather(self.cache.keys[i].view(flat), context_index, q.dtype)
+                v = gather(self.cache.values[i].view(flat), context_index, q.dtype)
             out = packed_causal_attention(q, k, v, packing, self.groups, self.scaling)
             hidden = self._layer_output(layer, self.gate_up[i], hidden, out.reshape(len(tokens), -1))
         last = torch.tensor([b - 1 for b in packing.query_bounds[1:]], device=tokens.device)

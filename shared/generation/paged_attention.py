@@ -40,9 +40,18 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KV_FP8", "paged_decode_attention", "paged_decode_attention_reference"]
+__all__ = ["KV_FP8", "gather", "paged_decode_attention", "paged_decode_attention_reference"]
 
 KV_FP8 = torch.float8_e4m3fn  # the one cache dtype besides q's: read back to q's dtype per page
+
+
+def gather(pages: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`pages[index]` (index along dim 0) converted to `dtype`; fp8 is gathered as its bytes, since
+    not every device has an fp8 gather kernel."""
+    if pages.dtype == KV_FP8:
+        return pages.view(torch.uint8)[index].view(KV_FP8).to(dtype)
+    return pages[index].to(dtype)
+
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -128,8 +137,7 @@ def _paged_decode_attention_rows(
         pages = block_table[row, : -(-n // page_size)].long()
         # 4-d [1, kv_heads, n, head_dim] views: SDPA's CPU flash kernel takes them as they are
         k, v = (
-            t.index_select(0, pages).to(q.dtype).view(-1, kv_heads, head_dim)[None, :n].transpose(1, 2)
-            for t in (k_pages, v_pages)
+            gather(t, pages, q.dtype).view(-1, kv_heads, head_dim)[None, :n].transpose(1, 2) for t in (k_pages, v_pages)
         )
         out[row] = F.scaled_dot_product_attention(
             q[row, None, :, None], k, v, scale=scale, enable_gqa=heads != kv_heads
@@ -158,8 +166,8 @@ def paged_decode_attention_reference(
     valid = torch.arange(seq, device=q.device)[None, :] < lengths.to(q.device)[:, None]  # [b, S]
     masked = ~valid[:, :, None, None]  # [b, S, 1, 1]
     # [b, max_pages, P, kvh, D] -> [b, S, kvh, D] (a new tensor: zeroed in place) -> [b, kvh, S, D]
-    k = k_pages[table].to(q.dtype).reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
-    v = v_pages[table].to(q.dtype).reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
+    k = gather(k_pages, table, q.dtype).reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
+    v = gather(v_pages, table, q.dtype).reshape(b, seq, kv_heads, head_dim).masked_fill_(masked, 0).transpose(1, 2)
     # enable_gqa: kv head j serves query heads j*n_rep.. (HF's `repeat_kv` rule) without materializing
     # the repeated keys and values, whose copy cost several times the attention itself on the CPU
     out = F.scaled_dot_product_attention(
