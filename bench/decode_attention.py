@@ -164,6 +164,8 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, args, copy_bps: float,
             args.replays,
         )
     )
+    if kv_dtype == torch.float8_e4m3fn:  # the same launch with both dots in float16 (f16_dots)
+        result_f16 = row(time_graph(kernel_calls(f16_dots=True), args.replays))
     ref_calls = [
         lambda p=p: paged_decode_attention_reference(q, p["k"], p["v"], p["table"], lengths, scale) for p in pools
     ]
@@ -189,6 +191,12 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, args, copy_bps: float,
         "reference": row(ref_s),
         "speedup_vs_reference": ref_s / (default["us"] / 1e6),
     }
+    if kv_dtype == torch.float8_e4m3fn:
+        out16 = _paged_decode_attention_triton(q, p0["k"], p0["v"], p0["table"], lengths, scale, f16_dots=True)
+        result["f16_dots"] = {
+            **result_f16,
+            "rel_err_vs_reference": ((out16.float() - ref.float()).norm() / ref.float().norm()).item(),
+        }
     if not args.no_sweep:
         sweep = []
         for splits in args.splits:
@@ -292,7 +300,8 @@ def main() -> None:
         r = bench_shape(b, mean, kv, args, copy_bps, seed=1000 * i + j)
         print(
             f"b={b} mean={mean} {r['kv_dtype']} pages: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
-            f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference",
+            f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference"
+            + (f"; float16 dots {r['f16_dots']['vs_copy']:.3f} of copy" if "f16_dots" in r else ""),
             file=sys.stderr,
             flush=True,
         )

@@ -167,6 +167,10 @@ def test_argument_checks():
         paged_decode_attention(q.double(), k, v, table, lengths, 1.0)
     with pytest.raises(ValueError, match="must share q's dtype or torch.float8_e4m3fn"):
         paged_decode_attention(q, k.to(torch.float8_e4m3fn), v, table, lengths, 1.0)
+    from dflash_pipeline.shared.generation.paged_attention import _paged_decode_attention_triton
+
+    with pytest.raises(ValueError, match="f16_dots is for fp8 pages and a 16-bit q"):
+        _paged_decode_attention_triton(q, k, v, table, lengths, 1.0, f16_dots=True)
 
 
 def test_launch_defaults_come_from_shapes(monkeypatch):

@@ -225,12 +225,17 @@ def _paged_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
+    f16_dots: bool = False,
 ) -> torch.Tensor:
     """The Triton launch (also runs on CPU tensors under TRITON_INTERPRET=1). `num_splits` None
     picks the split-K factor from shapes, `num_stages`/`num_warps` None their defaults below;
-    `maxnreg` caps registers per thread (more programs per SM). The knobs are for the benchmark and
-    tests."""
+    `maxnreg` caps registers per thread (more programs per SM); `f16_dots` (fp8 pages, 16-bit q)
+    converts the pages to float16 rather than q's dtype and runs both dots in float16: fp8 -> f16 is
+    one packed instruction per two elements on sm_89+, where fp8 -> bf16 goes through float32, and
+    every cached byte is converted. The knobs are for the benchmark and tests."""
     _check(q, k_pages, v_pages, block_table, lengths)
+    if f16_dots and (k_pages.dtype != KV_FP8 or q.dtype == torch.float32):
+        raise ValueError("paged_decode_attention: f16_dots is for fp8 pages and a 16-bit q")
     b, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     max_pages = block_table.shape[1]
@@ -261,6 +266,7 @@ def _paged_decode_attention_triton(
         PAGE=page_size,
         HEAD_DIM=head_dim,
         IEEE=q.dtype == torch.float32,
+        F16_DOTS=f16_dots,
         CHUNK=min(_CHUNK, _next_pow2(-(-max_pages // splits))),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -374,6 +380,7 @@ def _kernels():
         PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         IEEE: tl.constexpr,
+        F16_DOTS: tl.constexpr,
         SPLIT: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
@@ -401,6 +408,8 @@ def _kernels():
         q = tl.load(
             q_ptr + row.to(tl.int64) * s_qb + head[:, None] * s_qh + d[None, :] * s_qd, mask=g_ok[:, None], other=0.0
         )
+        if F16_DOTS:
+            q = q.to(tl.float16)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -416,7 +425,8 @@ def _kernels():
             for i in range(c0, tl.minimum(c0 + CHUNK, last)):
                 page = tl.sum(tl.where(c == i - c0, ids, 0), 0).to(tl.int64)
                 tok_ok = (i * PAGE + t) < length
-                # an fp8 cache's pages become q's dtype here (a no-op for a cache in q's dtype)
+                # an fp8 cache's pages become q's dtype here (a no-op for a cache in q's dtype; float16
+                # with F16_DOTS, q converted above)
                 k = tl.load(k_tile + page * s_kp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
                 v = tl.load(v_tile + page * s_vp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
                 if IEEE:

@@ -120,18 +120,19 @@ def test_kernel_equals_reference(dtype, shape, splits):
 
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[5], SHAPES[6]], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, shape, splits):
+@pytest.mark.parametrize("dtype,f16_dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, f16_dots, shape, splits):
     """An fp8 KV cache: the kernel converts each page as it loads it, so it computes the attention
-    over the pages converted to q's dtype (NaN-poisoned unread slots stay unread in fp8 too)."""
+    over the pages converted to q's dtype (NaN-poisoned unread slots stay unread in fp8 too); with
+    f16_dots, to float16 (at least as precise as bfloat16 for fp8 values)."""
     case = make_case(*shape, dtype, seed=sum(shape) + 1)
     q, k, v, table, lengths = case
     k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
     scale = shape[3] ** -0.5
-    if splits is None:
+    if splits is None and not f16_dots:
         out = paged_decode_attention(q, k8, v8, table, lengths, scale)
     else:
-        out = _paged_decode_attention_triton(q, k8, v8, table, lengths, scale, num_splits=splits)
+        out = _paged_decode_attention_triton(q, k8, v8, table, lengths, scale, num_splits=splits, f16_dots=f16_dots)
     assert torch.isfinite(out).all()
     converted = (q, k8.to(dtype), v8.to(dtype), table, lengths)
     if dtype == torch.float32:
