@@ -8,7 +8,7 @@
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
-# runs the bench). Call 2 must follow within the machine's 30 s warm time. QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS ("--steps 1000 ...") append flags to those steps;
+# runs the bench). Call 2 must follow within the machine's 30 s warm time. QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS, ATTN_ARGS ("--steps 1000 ...") append flags to those steps;
 # GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py); SMOKE_ARCH=dflash2 smokes
 # the DFlash-2 drafter; SCALE_PLAN names the plan of the scale step (a file of bench/quality_scale.py stages
 # with deadlines, relative to the checkout; format in bench/scale_plan.sh; default bench/plans/scale_dflash_dflash2.plan).
@@ -56,7 +56,7 @@ for s in $steps; do
     tests) step tests 300 python3 -m pytest ${GPU_TESTS:-tests/gpu tests/test_speculative.py} -m gpu -q -s -p no:cacheprovider ;;
     train) step bench_train 420 python3 -m bench.train --scratch /tmp/bench_train --json "$OUT/train.json" ${TRAIN_ARGS:-} ;;
     store_io) step bench_store_io 120 python3 -m bench.store_io --scratch /tmp/bench_store_io --json "$OUT/store_io.json" ;;
-    decode_attention) step bench_decode_attention 180 python3 -m bench.decode_attention --json "$OUT/decode_attention.json" ;;
+    decode_attention) step bench_decode_attention 180 python3 -m bench.decode_attention --json "$OUT/decode_attention.json" ${ATTN_ARGS:-} ;;
     regenerate) step bench_regenerate 500 python3 -m bench.regenerate --json "$OUT/regenerate.json" ${REGEN_ARGS:-} ;;
     extract) step bench_extract 480 python3 -m bench.extract --out-dir /tmp/bench_extract --json "$OUT/extract.json" --samples 480 ${EXTRACT_ARGS:-} ;;
     smoke) step smoke 240 bash -c '
