@@ -92,7 +92,10 @@ for s in $steps; do
       [ -d /tmp/qs/target ] || python3 -c "import sys; from pathlib import Path; from bench.compression import smollm2_folder; smollm2_folder(Path(\"/tmp/qs/target\"), Path(sys.argv[1]))" $d/$name
       set +e; bash bench/scale_plan.sh "${SCALE_PLAN:-bench/plans/scale_dflash_dflash2.plan}" /tmp/qs/run .carry_b/scale \
         /tmp/qs/target '"$OUT"'/quality_scale.json $t0
-      rc=$?; [ -f '"$OUT"'/quality_scale.json ] && cat '"$OUT"'/quality_scale.json; exit $rc' ;;
+      rc=$?; [ -f '"$OUT"'/quality_scale.json ] && cat '"$OUT"'/quality_scale.json
+      # every evaluation with its per-prompt steps (accepted counts per verify step), for analyses here
+      mkdir -p '"$OUT"'/evaluations; cp /tmp/qs/run/eval_*.json /tmp/qs/run/ngram_N*.json '"$OUT"'/evaluations/ 2>/dev/null
+      exit $rc' ;;
     # real conversations through regenerate_records with and without prefix reuse, on the SmolLM2 folder
     # that a scale step made on this machine (bench/regenerate.py --chat; CHAT_ARGS appends flags)
     chat) step chat 200 bash -c '
