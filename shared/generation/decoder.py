@@ -101,14 +101,9 @@ class PagedKVCache:
     def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * layers * kv_heads * head_dim * dtype.itemsize
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` as the cache holds it. fp8 (`KV_FP8`, one scale of 1 as vLLM's uncalibrated fp8 cache)
-        is clamped to its finite range first: a cast of anything beyond +-448 gives NaN."""
-        dtype = self.keys[0].dtype
-        if x.dtype == dtype:
-            return x
-        limit = torch.finfo(dtype).max
-        return x.clamp(-limit, limit).to(dtype)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -241,19 +236,35 @@ def fuse_projections(modules: list[nn.Linear]) -> FusedLinear:
     return _FUSED[modules[0]]
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a cache of `dtype` holds it. fp8 (one scale of 1, as vLLM's uncalibrated fp8 cache) is
+    clamped to its finite range first: what a cast does beyond +-448 is not the same on every device."""
+    if x.dtype == dtype:
+        return x
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
 def attention_inputs(
-    layer: nn.Module, qkv: FusedLinear, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    layer: nn.Module,
+    qkv: FusedLinear,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    cache_dtype: torch.dtype,
 ):
     """q [T, heads, D], k and v [T, kv_heads, D] of one decoder layer: input norm, the q/k/v
     projections in one matmul, the per-head q/k norms where the architecture has them (Qwen3),
-    rotary positions."""
+    rotary positions; k and v in the KV cache's dtype (compiled, an fp8 cache's rounding fuses in)."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
     shape = (x.shape[0], -1, head_dim)
     q, k, v = (t.reshape(shape) for t in qkv(x))
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+    k = k * cos + _rotate_half(k) * sin
+    return q * cos + _rotate_half(q) * sin, to_cache_dtype(k, cache_dtype), to_cache_dtype(v, cache_dtype)
 
 
 def layer_output(layer: nn.Module, gate_up: FusedLinear, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -293,17 +304,13 @@ class PagedDecoder:
         cos, sin = self.rotary(hidden, positions[None])
         return cos[0, :, None], sin[0, :, None]  # [T, 1, D]: broadcast over heads
 
-    def _store(
-        self, layer: int, cache_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v into their cache slots; returns them as the cache holds them (its dtype)."""
+    def _store(self, layer: int, cache_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes k, v (in the cache's dtype) into their cache slots."""
         flat = (-1, self.kv_heads, self.head_dim)
-        k_held, v_held = self.cache.encode(k), self.cache.encode(v)
-        for pages, held in ((self.cache.keys[layer], k_held), (self.cache.values[layer], v_held)):
+        for pages, held in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
             if held.dtype == KV_FP8:  # the same bytes as uint8: index_copy_ has no fp8 kernel on the CPU
                 pages, held = pages.view(torch.uint8), held.view(torch.uint8)
             pages.view(flat).index_copy_(0, cache_index, held)
-        return k_held, v_held
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
@@ -327,9 +334,10 @@ class PagedDecoder:
         cos, sin = self._rotary(hidden, positions)
         packing = Packing.of(lengths, context_lengths or lengths, hidden)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim)
+            q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim, self.cache.dtype)
+            self._store(i, cache_index, k, v)
             # a lossy (fp8) cache: the prompt attends to what decoding and a later turn will read
-            k, v = (held.to(q.dtype) for held in self._store(i, cache_index, k, v))
+            k, v = k.to(q.dtype), v.to(q.dtype)
             if context_index is not None:
                 flat = (-1, self.kv_heads, self.head_dim)
                 k = gather(self.cache.keys[i].view(flat), context_index, q.dtype)
@@ -349,7 +357,7 @@ class PagedDecoder:
         hidden = self.embed(tokens)
         cos, sin = self._rotary(hidden, positions)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim)
+            q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim, self.cache.dtype)
             self._store(i, cache_index, k, v)
             out = paged_decode_attention(
                 q, self.cache.keys[i], self.cache.values[i], block_table, lengths, self.scaling
