@@ -3,7 +3,7 @@ the replies that a drafter which only copies (bench/ngram_baseline.py) accepts l
 
 Both reports count the same greedy replies to the same prompts (`dflash-eval --chain` and
 `bench.ngram_baseline` at the same --max-new-tokens, --limit and prompts file; their per-prompt
-`accepted` lists: one count per verify step, the reply's first token coming from the prefill, so
+`accepted` lists, and the replies themselves where both reports hold them: one count per verify step, the reply's first token coming from the prefill, so
 step i begins at reply position 1 + the counts before it). A reply position is *copyable* when the
 copy drafter's step covering it accepted at least `--min-copy` tokens. Each of the drafter's steps is
 put on the side where it begins; its mean count there is its tau on that side. A drafter that learned
@@ -48,6 +48,8 @@ def split(drafter_rows: list[dict], copy_rows: list[dict], min_copy: int) -> dic
                 f"prompt {i}: the drafter's steps cover {sum(d['accepted'])} reply tokens and the copy "
                 f"drafter's {sum(c['accepted'])}: not the same replies (same prompts, --limit, --max-new-tokens?)"
             )
+        if "target_tokens" in d and "target_tokens" in c and d["target_tokens"] != c["target_tokens"]:
+            raise ValueError(f"prompt {i}: the two reports hold different replies of the same length")
         covered = copyable_positions(c["accepted"], min_copy)
         positions += sum(c["accepted"])
         copyable += len(covered)

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["windows"][str(n)] = taus(accepted)
         if n == args.max_new_tokens:
             result["per_prompt"] = [
-                {"prompt_tokens": len(p), "new_tokens": len(r), "accepted": a}
+                {"prompt_tokens": len(p), "new_tokens": len(r), "accepted": a, "target_tokens": r}
                 for p, r, a in zip(prompts, replies, accepted)
             ]
         print(f"n-gram drafter, {n} new tokens: tau {result['windows'][str(n)]['tau']:.3f}", flush=True)

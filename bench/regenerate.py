@@ -749,7 +749,7 @@ def profile_decode(model, rows: int, context: int, args, device, kv_cache_dtype:
     return {
         "rows": rows,
         "context": context,
-        "kv_cache_dtype": str(decoder.cache.keys[0].dtype).removeprefix("torch."),
+        "kv_cache_dtype": dtype_name(decoder.cache.dtype),
         "seconds_unprofiled": unprofiled,
         "device_ms": device_ms,
         "by_device_time": [
@@ -918,6 +918,8 @@ def recipe_estimate(args, engine_row: dict | None, old_rate: float | None, sizes
 
 
 def parse_args(argv=None):
+    from dflash_pipeline.shared.generation.engine import LOSSY_KV_CACHE_DTYPES, EngineSettings
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write the result JSON here")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
@@ -974,7 +976,7 @@ def parse_args(argv=None):
     )
     ap.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "float8_e4m3fn"],
+        choices=["auto", *LOSSY_KV_CACHE_DTYPES],
         action="append",
         default=None,
         help="the engine's KV cache, repeatable: one engine run per value [default: auto, the model's dtype]",
@@ -1103,8 +1105,6 @@ def parse_args(argv=None):
     args.mean_prompt = args.mean_prompt or max(args.min_prompt, 300 * scale_p)
     args.mean_reply = args.mean_reply or max(1.0, 500 * args.max_reply / 1024)
     args.batch = args.batch or [256]
-    from dflash_pipeline.shared.generation.engine import EngineSettings
-
     args.bucket_step = args.bucket_step or [EngineSettings.graph_bucket_step]
     args.reuse_prefixes = [v == "on" for v in args.reuse_prefixes or ["on"]]
     args.kv_cache_dtype = [None if v == "auto" else v for v in args.kv_cache_dtype or ["auto"]]

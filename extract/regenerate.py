@@ -29,7 +29,12 @@ from typing import IO, Any
 
 from dflash_pipeline.data.chat import generation_prompt_ids, stop_token_ids
 from dflash_pipeline.data.records import Record
-from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
+from dflash_pipeline.shared.generation.engine import (
+    LOSSY_KV_CACHE_DTYPES,
+    EngineSettings,
+    GenerationEngine,
+    Request,
+)
 from dflash_pipeline.shared.generation.sampling import SamplingParams, request_key
 from dflash_pipeline.shared.runtime.config import ConfigError, check_options, option
 from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
@@ -54,7 +59,7 @@ class RegenerateSettings:
     )
     kv_cache_dtype: str = option(
         "auto",
-        choices=("auto", "float8_e4m3fn"),
+        choices=("auto", *LOSSY_KV_CACHE_DTYPES),
         help="--regenerate: the generation engine's KV cache. float8_e4m3fn halves the bytes a decode step reads "
         "(faster on GPU, twice the tokens in memory) but rounds keys and values, so replies are no longer "
         "exactly the target's own [default: auto, the target's dtype: lossless].",
@@ -74,9 +79,8 @@ class RegenerateSettings:
 
     def to_dict(self) -> dict:
         values = asdict(self)
-        if (
-            values["kv_cache_dtype"] == "auto"
-        ):  # the lossless default: stores made before the option keep their fingerprint
+        # the lossless default is left out: stores made before the option keep their fingerprint
+        if values["kv_cache_dtype"] == "auto":
             del values["kv_cache_dtype"]
         return {"method": "greedy" if self.temperature == 0 else "sampled", **values}
 

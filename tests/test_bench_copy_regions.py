@@ -38,5 +38,7 @@ def test_the_drafters_steps_are_counted_on_the_side_where_they_begin(tmp_path: P
 def test_other_replies_are_refused_with_the_prompt() -> None:
     with pytest.raises(ValueError, match="prompt 1: the drafter's steps cover 7 reply tokens and the copy drafter's 8"):
         split([{"accepted": [8]}, {"accepted": [7]}], [{"accepted": [8]}, {"accepted": [8]}], min_copy=4)
+    with pytest.raises(ValueError, match="prompt 0: the two reports hold different replies of the same length"):
+        split([{"accepted": [2], "target_tokens": [5, 6, 7]}], [{"accepted": [2], "target_tokens": [5, 6, 8]}], 4)
     with pytest.raises(ValueError, match="2 prompts, the copy report 1"):
         split([{"accepted": [8]}, {"accepted": [8]}], [{"accepted": [8]}], min_copy=4)

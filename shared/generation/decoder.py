@@ -337,8 +337,9 @@ class PagedDecoder:
             q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim, self.cache.dtype)
             self._store(i, cache_index, k, v)
             # a lossy (fp8) cache: the prompt attends to what decoding and a later turn will read
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            if context_index is not None:
+            if context_index is None:
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            else:
                 flat = (-1, self.kv_heads, self.head_dim)
                 k = gather(self.cache.keys[i].view(flat), context_index, q.dtype)
                 v = gather(self.cache.values[i].view(flat), context_index, q.dtype)

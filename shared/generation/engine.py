@@ -46,6 +46,7 @@ WORKSPACE_MARGIN_BYTES = 2 << 30  # beside the estimate: CUDA graphs' pool, libr
 # `prefill_tokens`, so that copy stays within the workspace's margin.
 CONTEXT_PER_PREFILL = 4
 KV_CACHE_DTYPES = {None: None, "float8_e4m3fn": KV_FP8}  # EngineSettings.kv_cache_dtype -> the cache's dtype
+LOSSY_KV_CACHE_DTYPES = tuple(name for name in KV_CACHE_DTYPES if name)  # what a CLI offers beside the default
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class EngineSettings:
             raise ValueError("EngineSettings: max_request_tokens must be >= 2")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"EngineSettings: kv_cache_dtype {self.kv_cache_dtype!r} is not one of {[k for k in KV_CACHE_DTYPES if k]} "
+                f"EngineSettings: kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(LOSSY_KV_CACHE_DTYPES)} "
                 "or None (the model's dtype)"
             )
 
