@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 from bench import emit
@@ -87,7 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
         result = {"out": str(args.out), "conversations": len(rows)}
         print(json.dumps(result))
         return result
-    result = copy_tau(args.store, args.block_size, args.max_ngram, args.min_ngram)
+    from dflash_pipeline.shared.runtime.errors import UserError
+
+    try:
+        result = copy_tau(args.store, args.block_size, args.max_ngram, args.min_ngram)
+    except UserError as e:  # not a store, or an incomplete one: the store's own one-line reason
+        sys.exit(f"bench.loop_task: {e}")
     emit(result, args.json)
     return result
 

@@ -34,3 +34,19 @@ def test_copy_tau_on_a_store_of_loops_is_far_above_one(tiny_target_dir, tmp_path
     result = main(["copy-tau", "--store", str(tmp_path / "store"), "--json", str(tmp_path / "tau.json")])
     assert result["samples"] == 6 and result["tau"] > 4
     assert json.loads((tmp_path / "tau.json").read_text()) == result
+
+
+def test_copy_tau_of_a_folder_that_is_no_store_is_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.loop_task", "copy-tau", "--store", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"bench.loop_task: {tmp_path / 'none'}: no manifest.json (not a feature store, or extraction never started)"
+    ]
