@@ -10,8 +10,8 @@ Two ways to get the processes, same code per rank:
 from __future__ import annotations
 
 import os
-import shutil
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from dflash_pipeline.shared.runtime.device import pick_device, resolve_devices
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.runtime.launch import RankFailed, spawn_ranks
 from dflash_pipeline.shared.runtime.progress import progress_note
+from dflash_pipeline.shared.runtime.run_lock import LOCK_NAME, empty_locked_folder, run_lock
 from dflash_pipeline.shared.store import manifest as mf
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.shared.store.progress import any_rank_committed
@@ -125,13 +126,13 @@ def require_records(cfg: ExtractConfig) -> None:
 
 def require_samples(cfg: ExtractConfig, summaries: list[RankSummary], remove: bool) -> None:
     """All ranks together must hold a sample (a single rank may own none); when --skip-bad dropped
-    every record at tokenization, the store is removed (`remove`: by one process) so that a
-    corrected rerun starts fresh instead of meeting a store of other data."""
+    every record at tokenization, the store is removed (`remove`: by the process that holds the run
+    lock) so that a corrected rerun starts fresh instead of meeting a store of other data."""
     counts = merge_counts(summaries)
     if counts["samples"]:
         return
     if remove:
-        shutil.rmtree(cfg.out, ignore_errors=True)
+        empty_locked_folder(Path(cfg.out))
     raise no_records_error(cfg, counts["skipped"])
 
 
@@ -151,7 +152,8 @@ def holds_nothing(root: Path, existing: mf.Manifest) -> bool:
 
 
 def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]:
-    """Create or validate `ROOT/manifest.json`; returns (layer ids, store already complete)."""
+    """Create or validate `ROOT/manifest.json`; returns (layer ids, store already complete). The
+    caller holds ROOT's run lock."""
     require_records(cfg)
     root = Path(cfg.out)
     target_config = load_target_config(cfg.target)
@@ -185,7 +187,7 @@ def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]
         store_topk=cfg.store_topk,
     )
     if StoreLayout(root).manifest.exists() and cfg.overwrite:
-        shutil.rmtree(root)
+        empty_locked_folder(root)
     if StoreLayout(root).manifest.exists():
         existing = mf.load_manifest(root)
         # Stores from before `target.location` was recorded: derive it from the path they were given.
@@ -199,8 +201,8 @@ def prepare_store(cfg: ExtractConfig, world_size: int) -> tuple[list[int], bool]
                 "use another --out, or --overwrite to replace it"
             )
         progress_note(f"dflash-extract: {root}: the earlier run committed nothing; starting over with these settings")
-        shutil.rmtree(root)
-    if root.exists() and any(root.iterdir()):
+        empty_locked_folder(root)
+    if root.exists() and any(entry.name != LOCK_NAME for entry in root.iterdir()):
         raise ExtractError(f"{root}: exists, is not empty and holds no dflash-pipeline store; choose an empty --out")
     root.mkdir(parents=True, exist_ok=True)
     mf.write_manifest(root, fresh)
@@ -277,12 +279,13 @@ def run_torchrun(cfg: ExtractConfig) -> RunSummary | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     started = time.perf_counter()
     try:
-        with Cluster("dflash-extract", cfg.collective_timeout, RESUME_HINT) as cluster:
+        with Cluster("dflash-extract", cfg.collective_timeout, RESUME_HINT) as cluster, ExitStack() as held:
             cluster.require_shared(Path(cfg.out), "--out")
             cfg = replace(cfg, gpus=tuple(range(world)) if cfg.device == "cuda" else (), workers=world)
             status = [None]
             if rank == 0:
-                try:
+                try:  # the lock: no process of ours started the ranks to hold it for them
+                    held.enter_context(run_lock(Path(cfg.out), "dflash-extract"))
                     status = [prepare_store(cfg, world)]
                 except Exception as exc:  # noqa: BLE001 - other ranks must learn of it, not hang
                     status = [("error", str(exc))]
@@ -312,17 +315,18 @@ def run_extraction(cfg: ExtractConfig) -> RunSummary | None:
     device, gpus = resolve_devices(cfg.device, cfg.gpus, default_gpus=5)
     cfg = replace(cfg, device=device, gpus=gpus)
     started = time.perf_counter()
-    layer_ids, complete = prepare_store(cfg, cfg.world_size)
-    if complete:
-        return summarize(cfg, [], started, True)
-    summaries = (
-        run_spawned(cfg, layer_ids)
-        if cfg.world_size > 1 or cfg.device == "cuda"
-        else [run_rank(cfg, 0, 1, torch.device("cpu"), layer_ids)]
-    )
-    require_samples(cfg, summaries, remove=True)
-    seal_store(cfg, summaries)
-    return summarize(cfg, summaries, started, False)
+    with run_lock(Path(cfg.out), "dflash-extract"):  # held here for the workers this process starts
+        layer_ids, complete = prepare_store(cfg, cfg.world_size)
+        if complete:
+            return summarize(cfg, [], started, True)
+        summaries = (
+            run_spawned(cfg, layer_ids)
+            if cfg.world_size > 1 or cfg.device == "cuda"
+            else [run_rank(cfg, 0, 1, torch.device("cpu"), layer_ids)]
+        )
+        require_samples(cfg, summaries, remove=True)
+        seal_store(cfg, summaries)
+        return summarize(cfg, summaries, started, False)
 
 
 def summarize(cfg: ExtractConfig, summaries: list[RankSummary | None], started: float, complete: bool) -> RunSummary:

@@ -67,3 +67,32 @@ def extract_cpu_store(tiny_target_dir: Path):
         return out
 
     return extract
+
+
+@pytest.fixture
+def lock_holder():
+    """`hold(folder) -> Popen`: a child process that holds `folder`'s run lock (as a running
+    dflash-extract or dflash-train does) until it is killed; killed at the end of the test."""
+    import subprocess
+    import sys
+
+    holders: list[subprocess.Popen] = []
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from dflash_pipeline.shared.runtime.run_lock import run_lock\n"
+        "with run_lock(Path(sys.argv[1]), 'holder'):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+
+    def hold(folder: Path) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+        holders.append(proc)
+        assert proc.stdout.readline() == "held\n"
+        return proc
+
+    yield hold
+    for proc in holders:
+        proc.kill()
+        proc.wait()

@@ -244,6 +244,28 @@ def test_frozen_node_is_named_within_the_timeout(tiny_target_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["extract", "train"])
+def test_an_output_folder_in_use_is_refused_on_every_node(
+    stage, tiny_target_dir, small_corpus, spawned_store, lock_holder, tmp_path
+):
+    """Rank 0 alone takes the run lock (no launcher of ours holds it under torchrun); every node
+    stops with its refusal, and nothing is written into the folder in use."""
+    out = tmp_path / "out"
+    holder = lock_holder(out)
+    args = (
+        extract_args(tiny_target_dir, small_corpus, out)
+        if stage == "extract"
+        else ["--store", str(spawned_store), "--out", str(out), *TRAIN_ARGS]
+    )
+    results = finish(start_nodes(f"dflash_pipeline.{stage}.cli", tmp_path / "logs", args), timeout=120)
+    assert [rc for rc, _ in results] == [1, 1], results[0][1][-2000:] + results[1][1][-2000:]
+    refusal = f"dflash-{stage}: error: {out}: another run is using this folder (pid {holder.pid} on "
+    assert refusal in results[0][1], results[0][1][-3000:]
+    assert refusal in results[1][1], results[1][1][-3000:]
+    assert [p.name for p in out.iterdir()] == [".lock"] and holder.poll() is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["extract", "train"])
 def test_output_folder_not_shared_is_refused_at_start(stage, tiny_target_dir, small_corpus, spawned_store, tmp_path):
     """Each "node" runs in its own working folder and gets a relative --out: two private folders."""
     cwds = (tmp_path / "node0", tmp_path / "node1")

@@ -541,6 +541,40 @@ def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_
     )
 
 
+def test_a_resume_past_the_epoch_cap_says_so_before_training_and_in_the_summary(store_dir, tmp_path):
+    """`--resume` with a --max-steps that --epochs cannot reach: one line before the first step names the
+    cap and how to pass it, the summary says the cap ended the run; a run within the cap says neither."""
+    import math
+
+    from click.testing import CliRunner
+
+    from dflash_pipeline.train.cli import main
+
+    run = tmp_path / "run"
+
+    def train(*extra: str) -> str:
+        args = ["--store", str(store_dir), "--out", str(run), *TRAIN_ARGS, "--eval-every", "1000", "--epochs", "1"]
+        result = CliRunner().invoke(main, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    first = train("--max-steps", "2")
+    assert "caps this run" not in first and "epoch limit" not in first
+    resumed = train("--max-steps", "1000", "--resume")
+    steps = max(losses(run))
+    assert 2 < steps < 1000 and sorted(losses(run)) == list(range(1, steps + 1))
+    warning = (
+        f"dflash-train: warning: --epochs 1 caps this run at {steps} steps, below --max-steps 1000; "
+        f"raise --epochs (to about {math.ceil(1000 / steps)}) to train 1000 steps"
+    )
+    lines = resumed.splitlines()
+    assert lines.count(warning) == 1
+    assert resumed.index(warning) < resumed.index("\rtrain:")  # before the progress bar
+    summary = lines[lines.index("dflash-train summary") :]
+    assert summary[2] == "stopped    at the epoch limit (--epochs 1) before --max-steps 1000"
+    assert summary[3].startswith(f"steps      {steps}   ")
+
+
 # ---- DFlash-2 (`--arch dflash2`): the same stores, the convolution + selector drafter, its loss
 
 

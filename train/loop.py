@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +33,7 @@ from dflash_pipeline.shared.runtime.cluster import Cluster, group_timeout
 from dflash_pipeline.shared.runtime.config import ConfigError
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.runtime.progress import progress_bar
+from dflash_pipeline.shared.runtime.run_lock import RunLockError, run_lock
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.shared.target.identity import TargetIdentity
@@ -268,6 +271,17 @@ class Trainer:
         """--epochs ends the run before --max-steps."""
         return self.cfg.max_steps is not None and len(self.schedule) < self.cfg.max_steps
 
+    def epoch_limit_warning(self) -> str:
+        """Said before the first step of a run that `epoch_limit` will end (a --resume with a larger
+        --max-steps, say), not only in the summary after it; the epochs asked for are an estimate,
+        as epochs differ a little in steps."""
+        cfg, steps = self.cfg, len(self.schedule)
+        epochs = math.ceil(cfg.max_steps * cfg.epochs / steps)
+        return (
+            f"dflash-train: warning: --epochs {cfg.epochs} caps this run at {steps} steps, below --max-steps "
+            f"{cfg.max_steps}; raise --epochs (to about {epochs}) to train {cfg.max_steps} steps"
+        )
+
     def resume(self) -> bool:
         """With --resume, restore the drafter, optimizer, schedule and state of the last checkpoint
         (True if there was one); without, refuse an --out that holds an earlier run's checkpoints."""
@@ -497,6 +511,8 @@ def train_rank(
     metrics = MetricsLog(out / "metrics.jsonl", rank == 0, trainer.state.step if resumed else None)
     if rank == 0:
         (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        if trainer.epoch_limit:
+            print(trainer.epoch_limit_warning(), file=sys.stderr, flush=True)
     already_complete = resumed and trainer.state.step >= trainer.total_steps
     tau, rate = trainer.fit(metrics)
     trainer.save_drafter()
@@ -520,8 +536,24 @@ def init_distributed(
     dist.init_process_group(backend, **kwargs)
 
 
-def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None) -> RankResult:
-    """Body of one training process (spawned or under torchrun)."""
+def lock_out_on_rank0(rank: int, cfg: TrainConfig, held: ExitStack) -> None:
+    """Under torchrun, where no process of ours started the ranks to hold --out's run lock for them:
+    rank 0 takes it into `held`, and its refusal reaches every rank, so every node stops with its line."""
+    refusal = [None]
+    if rank == 0:
+        try:
+            held.enter_context(run_lock(Path(cfg.out), "dflash-train"))
+        except RunLockError as exc:
+            refusal = [str(exc)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise RunLockError(refusal[0])
+
+
+def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None, torchrun: bool = False) -> RankResult:
+    """Body of one training process, spawned or (`torchrun`) started by torchrun. A process that spawns
+    the ranks holds --out's run lock for them; under torchrun rank 0 takes it."""
     if cfg.device == "cuda":
         gpu = cfg.gpus[rank] if cfg.gpus and init_method is not None else int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(gpu)
@@ -533,10 +565,13 @@ def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_distributed(rank, world, device, init_method, cfg.collective_timeout)
     try:
-        if not dist.is_initialized():
-            return train_rank(rank, world, cfg, device)
-        with Cluster("dflash-train", cfg.collective_timeout, RESUME_HINT) as cluster:
-            cluster.require_shared(Path(cfg.out), "--out")
+        with ExitStack() as held:
+            cluster = None
+            if dist.is_initialized():
+                cluster = held.enter_context(Cluster("dflash-train", cfg.collective_timeout, RESUME_HINT))
+                cluster.require_shared(Path(cfg.out), "--out")
+            if torchrun:
+                lock_out_on_rank0(rank, cfg, held)
             return train_rank(rank, world, cfg, device, cluster)
     finally:
         if dist.is_initialized():

@@ -2,14 +2,19 @@
 
 Both stages start their ranks through `spawn_ranks`: each child runs `fn(rank, *args)`; the parent
 collects the return values, turns a child's exception into one line naming the rank, notices a child
-that died without a word (SIGKILL, OOM killer), and stops the others instead of hanging.
+that died without a word (SIGKILL, OOM killer), and stops the others instead of hanging. A child dies
+with the parent (even by kill -9): the parent holds the output folder's run lock for its children, so
+none may go on writing there once the lock is gone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
+import signal
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +36,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, fn: Callable[..., Any], args: tuple, results) -> None:
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a process gets when its parent dies
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when `parent` dies (Linux); gone at once if it already has."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int) -> None:
+    _die_with_parent(parent)
     try:
         results.put((rank, "ok", fn(rank, *args)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
@@ -51,7 +68,7 @@ def spawn_ranks(
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        procs = [ctx.Process(target=_child, args=(r, fn, args, results)) for r in range(world_size)]
+        procs = [ctx.Process(target=_child, args=(r, fn, args, results, os.getpid())) for r in range(world_size)]
         for p in procs:
             p.start()
     finally:
