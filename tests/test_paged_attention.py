@@ -265,6 +265,15 @@ def _interpreter_cases() -> None:
         after = _paged_decode_attention_triton(q, k, v, table, lengths.to(torch.int64), 0.25, num_splits=splits)
         assert torch.equal(after[[0, 1, 3, 4]], before[[0, 1, 3, 4]])
         torch.testing.assert_close(after.double(), naive(q, k, v, table, lengths, 0.25), rtol=1e-5, atol=1e-6)
+    # fp8 pages and a bfloat16 q: float16 dots by default, q clamped to float16's range (1e5 -> 65504)
+    q, k, v, table, lengths = make_case(6, 8, 2, 16, 16, 4, torch.bfloat16, seed=3)
+    q[0, 0, :2] = torch.tensor([1e5, -1e5])
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    got = _paged_decode_attention_triton(q, k8, v8, table, lengths, 0.25)
+    assert torch.isfinite(got).all(), "a bfloat16 q beyond float16's range made the fp8 path non-finite"
+    assert torch.equal(got, _paged_decode_attention_triton(q, k8, v8, table, lengths, 0.25, f16_dots=True))
+    ref = naive(q.float().clamp(-65504, 65504), k8.float(), v8.float(), table, lengths, 0.25)
+    assert rel_err(got, ref) < 1e-2, rel_err(got, ref)
     try:
         _paged_decode_attention_triton(*make_case(2, 4, 2, 16, 8, 3, torch.float32, seed=0), 1.0)
     except ValueError as e:

@@ -124,15 +124,14 @@ def test_kernel_equals_reference(dtype, shape, splits):
 def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, f16_dots, shape, splits):
     """An fp8 KV cache: the kernel converts each page as it loads it, so it computes the attention
     over the pages converted to q's dtype (NaN-poisoned unread slots stay unread in fp8 too); with
-    f16_dots, to float16 (at least as precise as bfloat16 for fp8 values)."""
+    f16_dots (the default for a 16-bit q), to float16 (at least as precise as bfloat16 for fp8 values)."""
     case = make_case(*shape, dtype, seed=sum(shape) + 1)
     q, k, v, table, lengths = case
     k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
     scale = shape[3] ** -0.5
-    if splits is None and not f16_dots:
-        out = paged_decode_attention(q, k8, v8, table, lengths, scale)
-    else:
-        out = _paged_decode_attention_triton(q, k8, v8, table, lengths, scale, num_splits=splits, f16_dots=f16_dots)
+    out = _paged_decode_attention_triton(q, k8, v8, table, lengths, scale, num_splits=splits, f16_dots=f16_dots)
+    if splits is None and f16_dots == (dtype != torch.float32):  # the public path takes the same launch
+        assert torch.equal(paged_decode_attention(q, k8, v8, table, lengths, scale), out)
     assert torch.isfinite(out).all()
     converted = (q, k8.to(dtype), v8.to(dtype), table, lengths)
     if dtype == torch.float32:
@@ -143,6 +142,20 @@ def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, f16_dots, sh
         err = rel(out, reference(converted, scale))
         print(f"\nfp8 pages {shape} {dtype} splits={splits}: rel err vs bf16 reference {err:.2e}")
         assert err < 1e-2
+
+
+def test_fp8_pages_with_a_bfloat16_q_beyond_float16s_range():
+    """The float16 dots of fp8 pages clamp q to float16's range: a bfloat16 q entry of 1e5 (inf in
+    float16) leaves the output finite, the attention of the clamped q."""
+    shape = SHAPES[5]
+    q, k, v, table, lengths = make_case(*shape, torch.bfloat16, seed=5)
+    q[0, 0, :4] = torch.tensor([1e5, -1e5, 7e4, 3.0])
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    scale = shape[3] ** -0.5
+    out = paged_decode_attention(q, k8, v8, table, lengths, scale)
+    assert torch.isfinite(out).all()
+    clamped = (q.float().clamp(-65504, 65504), k8.float(), v8.float(), table, lengths)
+    assert rel(out, reference(clamped, scale)) < 1e-2
 
 
 def test_default_returns_new_tensor_and_int64_lengths():
