@@ -11,10 +11,15 @@ uncompressed store) and compared with the packs/s the step consumes and with a s
 (pin-memory thread) over the same dataset. With `--store-dtype float8_e4m3fn` beside bfloat16, the
 compiled step is also timed on the fp8 batch (codes and scales on the GPU, dequantized in the step)
 and the loader on fp8 stores (half the bytes per pack). Without CUDA, `--loader-only` times the
-loader into CPU memory.
+loader into CPU memory. `--shape smollm2-135m` times the issue 18 runs' small drafter instead (its
+step is far from compute-bound), `--num-blocks` the blocks per pack; beside the compiled step, the
+trainer's own `Trainer.train_step` is timed on the same batch (its host reads of the loss, gradient
+norm and counts wait for the GPU every step), and `--profile-step` compares its wall time with the
+GPU's busy time under torch.profiler.
 
     python -m bench.train --scratch /tmp/bench_train --json result.json
     python -m bench.train --scratch /tmp/bench_train --store-dtype bfloat16 --store-dtype float8_e4m3fn
+    python -m bench.train --scratch /tmp/bench_train --shape smollm2-135m --num-blocks 1024 --skip-eager --profile-step
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ from dflash_pipeline.train.step import pack_loss, to_device
 S, N, B = 4096, 256, 16
 
 
-def synthetic_batch(width: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One pack of four documents with dense anchors, built by the trainer's own code."""
+def synthetic_batch(width: int, vocab: int, seed: int = 0, blocks: int = N) -> dict[str, torch.Tensor]:
+    """One pack of four documents with dense anchors (`blocks` of them), built by the trainer's own code."""
     from dflash_pipeline.shared.model.blocks import build_blocks, sample_anchors
 
     g = torch.Generator().manual_seed(seed)
@@ -58,11 +63,11 @@ def synthetic_batch(width: int, vocab: int, seed: int = 0) -> dict[str, torch.Te
         sl = slice(d * S // 4, (d + 1) * S // 4)
         doc[sl], pos[sl] = d, torch.arange(S // 4)
         mask[sl.start + 200 : sl.stop] = True
-        anchors.append(sample_anchors(mask[sl], N // 4, g) + sl.start)
+        anchors.append(sample_anchors(mask[sl], blocks // 4, g) + sl.start)
     ids = torch.randint(0, vocab, (S,), generator=g)
-    blocks = build_blocks(ids, doc, pos, mask, torch.cat(anchors), N, B, vocab - 1)
+    tensors = build_blocks(ids, doc, pos, mask, torch.cat(anchors), blocks, B, vocab - 1)
     hidden = (torch.randn(S, width, generator=g) * 0.5).to(torch.bfloat16)
-    batch = {"context_hidden": hidden, "context_doc": doc, "context_positions": pos, **blocks}
+    batch = {"context_hidden": hidden, "context_doc": doc, "context_positions": pos, **tensors}
     return {k: v[None] for k, v in batch.items()}
 
 
@@ -100,7 +105,107 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> fl
     return (time.perf_counter() - t) / steps
 
 
+def trainer_step(model, head, gamma: float, device: torch.device):
+    """`Trainer.train_step` itself (its host reads of the weight, loss, gradient norm and counts
+    included) on a stand-in for the Trainer holding only what that method reads; -> step(batch)."""
+    from types import SimpleNamespace
+
+    from dflash_pipeline.train.loop import Trainer
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    trainer = SimpleNamespace(
+        model=model,
+        head=head,
+        gamma=gamma,
+        kl_weight=0.0,
+        world=1,
+        device=device,
+        optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0),
+        trainable=[p for p in model.parameters() if p.requires_grad],
+        cfg=SimpleNamespace(selector_loss_weight=1.0, grad_clip=1.0),
+        state=SimpleNamespace(step=0),
+        out=None,
+        autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16),
+    )
+    return lambda batch: Trainer.train_step(trainer, model, batch)
+
+
+def time_trainer_steps(model, head, batch, gamma: float, steps: int) -> float:
+    """Seconds per step of the trainer's own step (`trainer_step`), with the count of the batch's
+    context tokens that `Trainer.fit` reads after it."""
+    step = trainer_step(model, head, gamma, batch["block_ids"].device)
+
+    def one():
+        step(batch)
+        int((batch["context_doc"] >= 0).sum())
+
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        one()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps
+
+
+def profile_trainer_step(model, head, batch, gamma: float, top: int = 15) -> dict:
+    """One trainer step (`trainer_step`) under torch.profiler after warm-up: its wall time, the
+    device's busy time (the step's kernels and copies summed; one stream), and the top operators by
+    device time (host operators and their kernels both listed), so the gap between wall and busy time
+    shows what the host costs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = trainer_step(model, head, gamma, batch["block_ids"].device)
+    for _ in range(3):
+        step(batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        step(batch)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, copies
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e3
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return {
+        "wall_ms_profiled": wall * 1e3,
+        "device_busy_ms": busy,
+        "kernels": len(kernels),
+        "top_ops": [
+            {"op": e.key[:90], "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3} for e in ops
+        ],
+    }
+
+
 LAYER_IDS = [1, 9, 17, 25, 33]
+
+
+def smollm2_135m_config():
+    """SmolLM2-135M-Instruct's shape (the issue 18 runs' target): 30 layers of 576, 9/3 heads of 64."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
+
+
+# each shape's target config and the 5 target layers its drafter reads (the issue 18 runs' for SmolLM2)
+SHAPES = {
+    "qwen3-8b": (lambda: qwen3_8b_config(36), LAYER_IDS),
+    "smollm2-135m": (smollm2_135m_config, [1, 8, 14, 20, 27]),
+}
 
 
 def as_stored(hidden: torch.Tensor, hidden_dtype: str) -> tuple[torch.Tensor, ...]:
@@ -329,7 +434,7 @@ def attention_only(cfg: DFlashConfig, batch: dict[str, torch.Tensor], iters: int
     block_mask = attn.build_block_mask(*mask_args, B, device="cuda")
     dense = attn.dense_mask(*mask_args, B)
     g = torch.Generator(device="cuda").manual_seed(0)
-    hd, Q = cfg.head_dim, N * B
+    hd, Q = cfg.head_dim, batch["block_ids"].shape[1]
     q = torch.randn(
         1, cfg.num_attention_heads, Q, hd, device="cuda", dtype=torch.bfloat16, generator=g
     ).requires_grad_()
@@ -363,6 +468,20 @@ def main() -> None:
     ap.add_argument("--scratch", required=True)
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=5, help="drafter decoder layers")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3-8b",
+        help="the target whose drafter is timed (smollm2-135m: the issue 18 runs' small drafter)",
+    )
+    ap.add_argument(
+        "--num-blocks", type=int, default=N, help="draft blocks per 4096-token pack (dflash-train --num-blocks)"
+    )
+    ap.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="also one trainer step under torch.profiler: wall against device-busy time, top operators",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--loader-workers", type=int, default=8)
     ap.add_argument("--loader-steps", type=int, default=150, help="timed batches per loader run")
@@ -383,9 +502,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     dtypes = args.store_dtype or ["bfloat16"]
-    target = qwen3_8b_config(36)
+    make_target, layer_ids = SHAPES[args.shape]
+    target = make_target()
     cfg = DFlashConfig.for_target(
-        target.to_dict(), LAYER_IDS, mask_token_id=target.vocab_size - 1, num_layers=args.layers, block_size=B
+        target.to_dict(), layer_ids, mask_token_id=target.vocab_size - 1, num_layers=args.layers, block_size=B
     )
     if not torch.cuda.is_available():
         if not args.loader_only:
@@ -399,14 +519,15 @@ def main() -> None:
         torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
         torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02,
     )
-    batch = to_device(synthetic_batch(cfg.context_width, cfg.vocab_size), device)
+    batch = to_device(synthetic_batch(cfg.context_width, cfg.vocab_size, blocks=args.num_blocks), device)
     gamma = default_gamma(B)
     peak = matmul_tflops(device)
     flops = step_flops(cfg, batch)
     result = {
+        "shape": args.shape,
         "drafter_layers": args.layers,
         "pack_tokens": S,
-        "blocks": N,
+        "blocks": args.num_blocks,
         "block_size": B,
         "matmul_tflops": peak,
         "step_tflop": flops / 1e12,
@@ -436,6 +557,16 @@ def main() -> None:
         }
         torch.cuda.empty_cache()
     fc = result.get("flex_compiled", {}).get("step_s")
+    if fc and not args.loader_only:  # the trainer's own step on the same batch: its host reads included
+        model.attention_backend = "flex_compiled"
+        sec = time_trainer_steps(model, head, batch, gamma, args.steps)
+        result["trainer_step"] = {
+            "step_s": sec,
+            "context_tokens_per_s": S / sec,
+            "vs_step_without_host_reads": sec / fc,
+        }
+        if args.profile_step:
+            result["trainer_step"]["profile"] = profile_trainer_step(model, head, batch, gamma)
     for other in ("sdpa_dense", "flex_eager"):
         if fc and "step_s" in result.get(other, {}):
             result[f"compiled_flex_speedup_vs_{other}"] = result[other]["step_s"] / fc
