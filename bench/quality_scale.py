@@ -52,6 +52,7 @@ from bench.compression import installed_sharegpt
 from bench.quality import mask_token_id, normalised, untrained_copy
 from dflash_pipeline.demo import run_step
 from dflash_pipeline.shared.store.layout import StoreLayout
+from dflash_pipeline.train.checkpoint import latest_checkpoint, load_state
 from dflash_pipeline.train.config import TrainConfig
 
 HEAD_TOKENS = TrainConfig.eval_decode_head  # online tau split where the trainer's tau_decode_head ends
@@ -281,17 +282,32 @@ def train(args) -> None:
     timed(args.out / "seconds.json", f"train {args.name}", lambda: run_step(f"train {args.name}", cmd))
 
 
+def run_drafter(run: Path) -> tuple[Path, str] | None:
+    """The drafter of a run folder to evaluate and the tag its reports' names carry: the final one
+    (no tag), else the latest checkpoint (a train line cut at its deadline leaves no final drafter;
+    tag `_S<step>`, so an evaluation after more training writes a new report instead of being
+    skipped as done); None if the run has neither."""
+    if (run / "drafter" / "config.json").exists():
+        return run / "drafter", ""
+    if (checkpoint := latest_checkpoint(run)) is not None:
+        return checkpoint, f"_S{load_state(checkpoint).step}"
+    return None
+
+
 def eval_runs(args) -> list[Path]:
-    """The run folders to evaluate: --runs, else every one with a drafter; --untrained adds an untrained
-    drafter of the first one's shape."""
+    """The run folders to evaluate: --runs, else every one with a drafter or a checkpoint; --untrained
+    adds an untrained drafter of the first one's shape."""
     if args.runs:
         runs = [args.out / name for name in dict.fromkeys(args.runs)]
-        if missing := [r.name for r in runs if not (r / "drafter" / "config.json").exists()]:
-            sys.exit(f"quality_scale evaluate: --runs {', '.join(missing)}: no drafter in {args.out} (train it first)")
+        if missing := [r.name for r in runs if run_drafter(r) is None]:
+            sys.exit(
+                f"quality_scale evaluate: --runs {', '.join(missing)}: no drafter or checkpoint in {args.out} "
+                "(train it first)"
+            )
     else:
-        runs = sorted(p.parent.parent for p in args.out.glob("*/drafter/config.json"))
+        runs = sorted(p for p in args.out.iterdir() if p.is_dir() and run_drafter(p) is not None)
     if args.untrained and runs and (untrained := args.out / "untrained") not in runs:
-        runs.append(untrained_copy(runs[0] / "drafter", untrained / "drafter").parent)
+        runs.append(untrained_copy(run_drafter(runs[0])[0], untrained / "drafter").parent)
     return runs
 
 
@@ -327,9 +343,10 @@ def evaluate(args) -> None:
     seconds.json the wall seconds of each batch. A failed one fails the stage once all are done."""
     jobs: dict[str, Evaluation] = {}
     for run in eval_runs(args):
+        drafter, tag = run_drafter(run)
         for temperature in args.temperature:
             method = "_chain" if args.chain else ""
-            stem = f"eval_{run.name}_T{temperature:g}{method}_N{args.max_new_tokens}"
+            stem = f"eval_{run.name}{tag}_T{temperature:g}{method}_N{args.max_new_tokens}"
             report = args.out / f"{stem}.json"
             if report.exists():
                 continue
@@ -339,7 +356,7 @@ def evaluate(args) -> None:
                 "--target",
                 str(args.target),
                 "--drafter",
-                str(run / "drafter"),
+                str(drafter),
                 "--prompts",
                 str(args.prompts / EVAL_FILE),
                 "--limit",
@@ -361,7 +378,7 @@ def evaluate(args) -> None:
                 else []
             )
             jobs[stem] = Evaluation(
-                f"{run.name} T={temperature:g}{method} N={args.max_new_tokens}",
+                f"{run.name}{tag} T={temperature:g}{method} N={args.max_new_tokens}",
                 cmd,
                 args.out / "logs" / f"{stem}.log",
                 report,
@@ -474,6 +491,13 @@ def head_and_tail(accepted: list[list[int]], head: int) -> tuple[float | None, f
     return tuple(sum(p) / len(p) if p else None for p in parts)  # type: ignore[return-value]
 
 
+def drafter_row(drafter: Path) -> dict:
+    """The run an evaluated drafter belongs to, and its checkpoint's step (None: the final drafter)."""
+    if drafter.parent.name == "checkpoints":
+        return {"run": drafter.parent.parent.name, "drafter_step": int(drafter.name.removeprefix("step-"))}
+    return {"run": drafter.parent.name, "drafter_step": None}
+
+
 def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
     """One dflash-eval report: tau (per domain too, and pooled over the first HEAD_TOKENS new tokens
     and after them), speedup, and how many evaluations ran at once (`concurrent`, from
@@ -482,7 +506,7 @@ def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
     head, tail = head_and_tail([p["accepted"] for p in r["per_prompt"]], HEAD_TOKENS)
     row = {
         "file": path.name,
-        "run": Path(r["drafter"]).parent.name,
+        **drafter_row(Path(r["drafter"])),
         "temperature": r["sampling"]["temperature"],
         "max_new_tokens": r["max_new_tokens"],
         "tau": r["tau"],

@@ -211,6 +211,25 @@ def test_a_failed_evaluation_fails_the_stage_after_the_others(scale_run: SimpleN
 
 
 @pytest.mark.slow
+def test_a_run_cut_before_its_final_drafter_is_evaluated_at_its_latest_checkpoint(
+    scale_run: SimpleNamespace, tmp_path: Path
+) -> None:
+    """A train line cut at its deadline leaves checkpoints and no final drafter: evaluate takes the
+    latest checkpoint, names the report by its step (a later one is a new report) and the report row
+    says which run and step it was."""
+    shutil.copytree(scale_run.out / "on_bf16" / "checkpoints", tmp_path / "cut" / "checkpoints")
+    evaluate = ["--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu", "--limit", "1"]
+    evaluate += ["--target", str(scale_run.target), "--max-new-tokens", "8", "--temperature", "0"]
+    done = stage("evaluate", *evaluate, "--runs", "cut")
+    assert done.returncode == 0, done.stderr
+    assert "evaluate cut_S1 T=0 N=8: tau " in done.stdout
+    report = json.loads((tmp_path / "eval_cut_S1_T0_N8.json").read_text())
+    assert Path(report["drafter"]) == tmp_path / "cut" / "checkpoints" / "step-00000001"
+    row = json.loads(stage("report", "--out", str(tmp_path), "--prompts", str(scale_run.prompts)).stdout)
+    assert [(r["run"], r["drafter_step"]) for r in row["evaluations"]] == [("cut", 1)]
+
+
+@pytest.mark.slow
 def test_chain_evaluations_count_what_decoding_counted(scale_run: SimpleNamespace, tmp_path: Path) -> None:
     """`evaluate --chain`: the same greedy counts as the decoding evaluation of the same drafter, tau at
     each window, no speedup."""
