@@ -95,14 +95,19 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> fl
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        one()
+    return seconds_per_call(one, steps)
+
+
+def seconds_per_call(fn, calls: int, warmup: int = 3) -> float:
+    """GPU seconds per call of `fn` after `warmup` calls, the device drained before and after."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(steps):
-        one()
+    for _ in range(calls):
+        fn()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps
+    return (time.perf_counter() - t) / calls
 
 
 def trainer_step(model, head, gamma: float, device: torch.device):
@@ -140,14 +145,7 @@ def time_trainer_steps(model, head, batch, gamma: float, steps: int) -> float:
         step(batch)
         int((batch["context_doc"] >= 0).sum())
 
-    for _ in range(3):
-        one()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        one()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps
+    return seconds_per_call(one, steps)
 
 
 def profile_trainer_step(model, head, batch, gamma: float, top: int = 15) -> dict:

@@ -140,12 +140,10 @@ def store(extract_cpu_store, small_corpus, tmp_path_factory) -> Path:
     return extract_cpu_store(small_corpus, tmp_path_factory.mktemp("store") / "store")
 
 
-@pytest.mark.slow
-def test_train_refuses_a_resume_while_the_run_trains_and_resumes_after_kill_9(store, tmp_path):
-    run = tmp_path / "run"
-    args = ["--store", str(store), "--out", str(run), *TRAIN_ARGS, "--checkpoint-every", "2"]
+def training_with_a_checkpoint(store: Path, run: Path, *extra: str) -> subprocess.Popen:
+    """A long `dflash-train` (in a session of its own) that has written its first checkpoint."""
     first = subprocess.Popen(
-        train_cmd(store, run, "--checkpoint-every", "2", "--max-steps", "1000", "--epochs", "1000"),
+        train_cmd(store, run, "--checkpoint-every", "2", *extra, "--max-steps", "1000", "--epochs", "1000"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -154,6 +152,14 @@ def test_train_refuses_a_resume_while_the_run_trains_and_resumes_after_kill_9(st
     while not (run / "checkpoints" / "latest").exists():
         assert first.poll() is None and time.time() < deadline
         time.sleep(0.05)
+    return first
+
+
+@pytest.mark.slow
+def test_train_refuses_a_resume_while_the_run_trains_and_resumes_after_kill_9(store, tmp_path):
+    run = tmp_path / "run"
+    args = ["--store", str(store), "--out", str(run), *TRAIN_ARGS, "--checkpoint-every", "2"]
+    first = training_with_a_checkpoint(store, run)
     second = CliRunner().invoke(train_main, [*args, "--max-steps", "1000", "--resume"])
     assert refusal(second, "dflash-train") == f"dflash-train: error: {in_use(run, first.pid)}"
     assert first.poll() is None  # still training, undisturbed
@@ -185,16 +191,7 @@ def test_killing_the_pid_a_refusal_names_stops_every_rank_of_the_run(store, tmp_
     ranks along, or they would go on writing checkpoints into a folder whose lock is gone."""
     run = tmp_path / "run"
     args = ["--store", str(store), "--out", str(run), *TRAIN_ARGS, "--checkpoint-every", "2", "--workers", "2"]
-    first = subprocess.Popen(
-        train_cmd(store, run, "--checkpoint-every", "2", "--workers", "2", "--max-steps", "1000", "--epochs", "1000"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "latest").exists():
-        assert first.poll() is None and time.time() < deadline
-        time.sleep(0.05)
+    first = training_with_a_checkpoint(store, run, "--workers", "2")
     assert len(session_processes(first.pid)) >= 3  # the launcher and its two ranks
     second = CliRunner().invoke(train_main, [*args, "--resume"])
     assert refusal(second, "dflash-train") == f"dflash-train: error: {in_use(run, first.pid)}"
