@@ -19,7 +19,7 @@ GPU's busy time under torch.profiler.
 
     python -m bench.train --scratch /tmp/bench_train --json result.json
     python -m bench.train --scratch /tmp/bench_train --store-dtype bfloat16 --store-dtype float8_e4m3fn
-    python -m bench.train --scratch /tmp/bench_train --shape smollm2-135m --num-blocks 1024 --skip-eager --profile-step
+    python -m bench.train --scratch /tmp/bench_train --shape smollm2-135m --num-blocks 1024 --skip-eager --skip-loader --profile-step
 """
 
 from __future__ import annotations
@@ -485,6 +485,9 @@ def main() -> None:
     ap.add_argument("--loader-steps", type=int, default=150, help="timed batches per loader run")
     ap.add_argument("--loader-samples", type=int, default=48, help="samples (~1500 tokens each) per loader store")
     ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument(
+        "--skip-loader", action="store_true", help="time the step only (the loader's packs hold 256 blocks)"
+    )
     ap.add_argument("--loader-only", action="store_true", help="time only the data loader (no step, no compile)")
     ap.add_argument(
         "--loader-diagnostics",
@@ -571,7 +574,8 @@ def main() -> None:
     if not args.loader_only:
         result["attention_only"] = attention_only(cfg, batch)
     step_s = {d: result.get("flex_compiled" + ("" if d == "bfloat16" else f"_{d}"), {}).get("step_s") for d in dtypes}
-    result["loader"] = run_loaders(args, cfg, dtypes, step_s)
+    if not args.skip_loader:
+        result["loader"] = run_loaders(args, cfg, dtypes, step_s)
     emit(result, args.json)
 
 
