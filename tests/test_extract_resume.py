@@ -46,16 +46,20 @@ def committed_batches(out: Path) -> int:
     return sum(r.get("batches", 0) for r in rank_progress(out).values())
 
 
-def children_of(pid: int) -> list[int]:
-    kids = []
+def process_stats() -> list[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ...) of
+    every process that can still be read."""
+    stats = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            stats.append((int(stat.parent.name), stat.read_text().rsplit(")", 1)[1].split()))
+        except (OSError, ValueError):
             continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    return stats
+
+
+def children_of(pid: int) -> list[int]:
+    return [child for child, fields in process_stats() if int(fields[1]) == pid]
 
 
 def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill_worker: bool) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_extract_resume import SMALL_BATCHES, committed_batches
+from test_extract_resume import SMALL_BATCHES, children_of, committed_batches
 
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.shared.runtime.launch import free_port
@@ -112,12 +112,7 @@ def signal_node(node: subprocess.Popen, sig: int) -> None:
     while todo:
         pid = todo.pop()
         pids.append(pid)
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    todo.append(int(stat.parent.name))
-            except (OSError, ValueError):
-                pass
+        todo.extend(children_of(pid))
     for pid in pids:
         try:
             os.kill(pid, sig)

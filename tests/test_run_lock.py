@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_extract_resume import process_stats
 from test_train import TRAIN_ARGS, losses, train_cmd
 
 from dflash_pipeline.extract import run as extract_run
@@ -174,15 +175,7 @@ def test_train_refuses_a_resume_while_the_run_trains_and_resumes_after_kill_9(st
 
 def session_processes(session: int) -> list[int]:
     """The processes still alive (not zombies) in the session `session` (a run started with start_new_session)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
+    return [pid for pid, fields in process_stats() if int(fields[3]) == session and fields[0] != "Z"]
 
 
 @pytest.mark.slow
