@@ -52,7 +52,7 @@ from bench.compression import installed_sharegpt
 from bench.quality import mask_token_id, normalised, untrained_copy
 from dflash_pipeline.demo import run_step
 from dflash_pipeline.shared.store.layout import StoreLayout
-from dflash_pipeline.train.checkpoint import latest_checkpoint, load_state
+from dflash_pipeline.train.checkpoint import latest_checkpoint
 from dflash_pipeline.train.config import TrainConfig
 
 HEAD_TOKENS = TrainConfig.eval_decode_head  # online tau split where the trainer's tau_decode_head ends
@@ -290,8 +290,13 @@ def run_drafter(run: Path) -> tuple[Path, str] | None:
     if (run / "drafter" / "config.json").exists():
         return run / "drafter", ""
     if (checkpoint := latest_checkpoint(run)) is not None:
-        return checkpoint, f"_S{load_state(checkpoint).step}"
+        return checkpoint, f"_S{checkpoint_step(checkpoint)}"
     return None
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """A checkpoint's step, from its folder's name (`step-00003500`), as a report names its drafter."""
+    return int(checkpoint.name.removeprefix("step-"))
 
 
 def eval_runs(args) -> list[Path]:
@@ -494,7 +499,7 @@ def head_and_tail(accepted: list[list[int]], head: int) -> tuple[float | None, f
 def drafter_row(drafter: Path) -> dict:
     """The run an evaluated drafter belongs to, and its checkpoint's step (None: the final drafter)."""
     if drafter.parent.name == "checkpoints":
-        return {"run": drafter.parent.parent.name, "drafter_step": int(drafter.name.removeprefix("step-"))}
+        return {"run": drafter.parent.parent.name, "drafter_step": checkpoint_step(drafter)}
     return {"run": drafter.parent.name, "drafter_step": None}
 
 
