@@ -11,7 +11,9 @@
 # runs the bench). Call 2 must follow within the machine's 30 s warm time. QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS, ATTN_ARGS ("--steps 1000 ...") append flags to those steps;
 # GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py); SMOKE_ARCH=dflash2 smokes
 # the DFlash-2 drafter; SCALE_PLAN names the plan of the scale step (a file of bench/quality_scale.py stages
-# with deadlines, relative to the checkout; format in bench/scale_plan.sh; default bench/plans/scale_dflash_dflash2.plan).
+# with deadlines, relative to the checkout; format in bench/scale_plan.sh; default bench/plans/scale_dflash_dflash2.plan);
+# PACK_REPLIES=NAME makes the scale step end by packing store NAME's replies into $OUT/replies_NAME.tar.xz
+# (bench/replies_archive.py; moved into .carry_b/scale, a plan's `regenerate --replies-archive` starts from it).
 set -u
 OUT=${OUT:?set OUT to a results folder}
 export PYTHONUNBUFFERED=1
@@ -93,6 +95,10 @@ for s in $steps; do
       set +e; bash bench/scale_plan.sh "${SCALE_PLAN:-bench/plans/scale_dflash_dflash2.plan}" /tmp/qs/run .carry_b/scale \
         /tmp/qs/target '"$OUT"'/quality_scale.json $t0
       rc=$?; [ -f '"$OUT"'/quality_scale.json ] && cat '"$OUT"'/quality_scale.json
+      if [ -n "'"${PACK_REPLIES:-}"'" ]; then
+        python3 -m bench.quality_scale pack-replies --out /tmp/qs/run --store "'"${PACK_REPLIES:-}"'" \
+          --archive '"$OUT"'/replies_'"${PACK_REPLIES:-}"'.tar.xz || rc=1
+      fi
       # every evaluation with its per-prompt steps (accepted counts per verify step), for analyses here
       mkdir -p '"$OUT"'/evaluations; cp /tmp/qs/run/eval_*.json /tmp/qs/run/ngram_N*.json '"$OUT"'/evaluations/ 2>/dev/null
       exit $rc' ;;

@@ -17,7 +17,9 @@ done), so the stages can be spread over consecutive calls on one machine:
 One folder (--out) holds several stores (`regenerate --store NAME`, default `store`) and the runs
 trained on them (`train --store NAME`). `regenerate --store fp8 --store-dtype float8_e4m3fn
 --replies-from store` starts the second store from the first one's replies: the same conversations,
-none generated again. `evaluate --parallel N` runs N dflash-eval at once (each logged in logs/): tau
+none generated again; `pack-replies --store NAME --archive FILE` packs a store's replies into one file
+(bench/replies_archive.py) and `regenerate --replies-archive FILE` starts a store on another machine
+from it, so a bare machine builds the same store without the generation. `evaluate --parallel N` runs N dflash-eval at once (each logged in logs/): tau
 is unaffected, speedup is measured under contention, and the report says how many ran at once
 (`concurrent`). `evaluate --runs NAME` picks runs. `evaluate --chain --temperature 0 --max-new-tokens
 2048 --windows 96 256` counts greedy tau along the target's own replies (dflash-eval --chain): the
@@ -41,6 +43,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -50,7 +53,9 @@ from pathlib import Path
 from bench import emit
 from bench.compression import installed_sharegpt
 from bench.quality import mask_token_id, normalised, untrained_copy
+from bench.replies_archive import REPLIES, pack_replies, unpack_replies
 from dflash_pipeline.demo import run_step
+from dflash_pipeline.extract.run import target_location
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.train.checkpoint import latest_checkpoint
 from dflash_pipeline.train.config import TrainConfig
@@ -177,20 +182,38 @@ def copy_replies(out: Path, source: str, store: Path, store_dtype: str, store_to
     """Start store `store` from complete store `source`'s replies (`regenerated/`, the extractor's
     reply cache, see extract/regenerate.py), so dflash-extract reuses them instead of generating them
     again: a second store (another --store-dtype) holds the same conversations. Only where `store`
-    does not exist yet (a rerun resumes what is there); the stages extract with one rank, so the one
-    rank file matches.
-
-    dflash-extract refuses a non-empty --out without a manifest, so the copy gets the manifest this
-    store's run will write (the source's, with this store's dtype and top-K, and nothing extracted):
-    dflash-extract then resumes it as a run that regenerated every reply and stored nothing yet. Any
-    other setting that differs (--max-new-tokens, --max-length, --limit) stops it with the field named."""
-    from dflash_pipeline.shared.store import manifest as mf
-
+    does not exist yet (a rerun resumes what is there)."""
     if store.exists():
         return
     if not (out / source / "regenerated").is_dir():
         sys.exit(f"quality_scale regenerate: --replies-from {source}: no {out / source / 'regenerated'}")
     theirs = complete_manifest(out / source, f"quality_scale regenerate: --replies-from {source}")
+    start_store(store, theirs, out / source / "regenerated", store_dtype, store_topk)
+
+
+def replies_from_archive(args, store: Path) -> None:
+    """Start store `store` from a replies archive (bench/replies_archive.py) another machine packed: its
+    replies, and its manifest with this run's data file and target paths (their fingerprints, checked by
+    dflash-extract, still say whether they are the same). Only where `store` does not exist yet."""
+    if store.exists():
+        return
+    archive = args.replies_archive if args.replies_archive.is_absolute() else args.prompts / args.replies_archive
+    with tempfile.TemporaryDirectory() as tmp:
+        theirs = unpack_replies(archive, Path(tmp))
+        theirs.data["paths"] = [str(train_data(args.prompts, args.out))]
+        theirs.target.update(name_or_path=str(args.target), location=target_location(args.target))
+        start_store(store, theirs, Path(tmp) / REPLIES, args.store_dtype or "bfloat16", args.store_topk)
+
+
+def start_store(store: Path, theirs, replies: Path, store_dtype: str, store_topk: int) -> None:
+    """Make `store` hold the reply cache files in `replies` and the manifest its dflash-extract run will
+    write (`theirs`, a complete store's, with this store's dtype and top-K and nothing extracted):
+    dflash-extract refuses a non-empty --out without a manifest, and resumes this one as a run that
+    regenerated every reply and stored nothing yet. Any other setting that differs (--max-new-tokens,
+    --max-length, --limit) stops it with the field named. The stages extract with one rank, so the one
+    rank file matches."""
+    from dflash_pipeline.shared.store import manifest as mf
+
     ours = mf.new_manifest(
         target={k: v for k, v in theirs.target.items() if k != "weights_fingerprint"},
         hidden_dtype=store_dtype,
@@ -202,9 +225,15 @@ def copy_replies(out: Path, source: str, store: Path, store_dtype: str, store_to
     )
     partial = store.with_name(store.name + ".partial")  # a copy cut short is never taken for a store
     shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(out / source / "regenerated", partial / "regenerated")
+    shutil.copytree(replies, partial / "regenerated")
     mf.write_manifest(partial, ours)
     partial.rename(store)
+
+
+def pack(args) -> None:
+    """`pack-replies`: store `--store`'s replies into `--archive` (bench/replies_archive.py)."""
+    size = pack_replies(args.out / args.store, args.archive)
+    print(f"pack-replies: {args.archive} ({size / 2**20:.1f} MiB), the replies of store {args.store}", flush=True)
 
 
 def regenerate(args) -> None:
@@ -212,6 +241,8 @@ def regenerate(args) -> None:
     store = args.out / args.store
     if args.replies_from:  # dflash-extract's default --store-dtype, when none is given
         copy_replies(args.out, args.replies_from, store, args.store_dtype or "bfloat16", args.store_topk)
+    if args.replies_archive:
+        replies_from_archive(args, store)
     cmd = [
         *CLI,
         "dflash_pipeline.extract.cli",
@@ -572,7 +603,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--eval-per-domain", type=int, default=8)
-    for name in ("regenerate", "train", "evaluate", "ngram", "report"):
+    for name in ("regenerate", "train", "evaluate", "ngram", "report", "pack-replies"):
         s = sub.add_parser(name)
         s.add_argument("--out", type=Path, required=True, help="the run's folder (store, runs, reports)")
         s.add_argument("--prompts", type=Path, default=None, help="the folder `prompts` wrote")
@@ -598,10 +629,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--replies-from", metavar="NAME", default=None, help="reuse store NAME's replies: the same conversations"
     )
     sub.choices["regenerate"].add_argument(
+        "--replies-archive",
+        type=Path,
+        default=None,
+        help="start the store from this archive's replies (pack-replies; a relative path is in --prompts)",
+    )
+    sub.choices["regenerate"].add_argument(
         "--gen-batch-size", type=int, default=None, help="dflash-extract --gen-batch-size [default: dflash-extract's]"
     )
-    for name in ("regenerate", "train"):
+    for name in ("regenerate", "train", "pack-replies"):
         sub.choices[name].add_argument("--store", metavar="NAME", default="store", help="the store's folder in --out")
+    sub.choices["pack-replies"].add_argument("--archive", type=Path, required=True, help="the file to write")
     t = sub.choices["train"]
     t.add_argument("--name", required=True)
     t.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash")
@@ -651,7 +689,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(conversation_prompts(args.out, args.conversations, args.eval_per_domain)))
     else:
         args.out.mkdir(parents=True, exist_ok=True)
-        stages = {"regenerate": regenerate, "train": train, "evaluate": evaluate, "ngram": ngram, "report": report}
+        stages = {
+            "regenerate": regenerate,
+            "train": train,
+            "evaluate": evaluate,
+            "ngram": ngram,
+            "report": report,
+            "pack-replies": pack,
+        }
         stages[args.stage](args)
 
 

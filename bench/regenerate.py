@@ -15,9 +15,12 @@ and every contender generates exactly the drawn tokens. Rates count those useful
 second (prefill included) after a short warm-up call.
 Real conversations (`--chat FILE` with `--target`): the first `--requests` records of FILE (.jsonl,
 or .jsonl.xz as bench/quality_scale.py packs them) go through `dflash-extract --regenerate`'s own
-path (`regenerate_records`, the target's chat template, greedy, `--max-reply` new tokens), once per
-`--reuse-prefixes` value: generated tok/s, prompt tokens prefilled and cached, and how many
-conversations came out identical. Then nothing else runs.
+path (`regenerate_records`, the target's chat template, `--chat-temperature`, `--max-reply` new
+tokens), once per `--reuse-prefixes` and `--kv-cache-dtype` value: generated tok/s, prompt tokens
+prefilled and cached, and how many conversations came out identical. `--score-replies` also scores
+every row's reply tokens by the target in float32 (bench/reply_scoring.py: the share that are its
+argmax, their NLL) and compares its replies with the first row's: what a lossy KV cache does to the
+data. Then nothing else runs.
 Schedule replay (`--replay-pages N`): the engine's own admission, paging and reuse decisions over
 the workload, with a decoder that computes nothing (its logits are zeros, and nothing stops a reply
 early, so the schedule depends on the lengths alone), on a pool of N pages (a GPU run's
@@ -48,6 +51,7 @@ extraction and training rates from bench/RESULTS.md, overridable).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import itertools
 import json
@@ -263,15 +267,17 @@ def chat_records(path: Path, n: int) -> list:
         return [(r.index, r) for r in islice(iter_records(path), n)]
 
 
-def run_chat(model, records: list, batch: int, knobs: dict, args) -> tuple[dict, list]:
-    """One `regenerate_records` pass over real conversations (module doc): the row, and every record's
-    messages as regenerated."""
+def run_chat(model, records: list, batch: int, knobs: dict, kv_cache_dtype: str, args) -> tuple[dict, list]:
+    """One `regenerate_records` pass over real conversations (module doc) with the KV cache
+    `kv_cache_dtype` ("auto" or lossy): the row, and every record's messages as regenerated."""
     from dflash_pipeline.extract.regenerate import RegenerateSettings, regenerate_records
     from dflash_pipeline.shared.generation.engine import EngineSettings
     from dflash_pipeline.shared.target.assets import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
-    settings = RegenerateSettings(max_new_tokens=args.max_reply)
+    settings = RegenerateSettings(
+        max_new_tokens=args.max_reply, temperature=args.chat_temperature, seed=args.seed, kv_cache_dtype=kv_cache_dtype
+    )
     engine = EngineSettings(max_batch=batch, page_size=args.page_size, **knobs)
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
@@ -289,6 +295,8 @@ def run_chat(model, records: list, batch: int, knobs: dict, args) -> tuple[dict,
         "contender": "regenerate_records",
         "batch": batch,
         **knobs,
+        "kv_cache_dtype": kv_cache_dtype,
+        "temperature": args.chat_temperature,
         "conversations": stats.conversations,
         "replies": stats.replies,
         "generated_tokens": timing.tokens,
@@ -963,6 +971,12 @@ def parse_args(argv=None):
     c.add_argument("--cost-prefill-tok-s", type=float, default=39_700, help="prompt tokens per prefill second")
     ap.add_argument("--chat", type=Path, default=None, help="real conversations (module doc; needs --target)")
     ap.add_argument("--chat-max-length", type=int, default=2048, help="--chat: dflash-extract's --max-length")
+    ap.add_argument("--chat-temperature", type=float, default=0.0, help="--chat: dflash-extract's --temperature")
+    ap.add_argument(
+        "--score-replies",
+        action="store_true",
+        help="--chat: score each row's replies by the target in float32 against the first row's (module doc)",
+    )
     ap.add_argument(
         "--turns", type=int, default=1, help="turns per conversation (module doc); HF runs first turns only"
     )
@@ -1162,24 +1176,52 @@ def main_replay(model, conversations: list[Conversation], args) -> dict:
 
 
 def main_chat(model, what: str, args, device: torch.device) -> dict:
-    """`--chat`: the real-conversation rows alone (module doc)."""
+    """`--chat`: the real-conversation rows alone (module doc); with `--score-replies` each row's
+    replies scored by the model in float32 and compared with the first row's (bench/reply_scoring.py)."""
+    from bench.reply_scoring import reply_divergence, score_replies
+    from dflash_pipeline.shared.target.assets import load_tokenizer
+
     records = chat_records(args.chat, args.requests)
     result = {"model": what, "device": str(device), "chat": str(args.chat), "records": len(records), "rows": []}
+    tokenizer = load_tokenizer(args.target)
+    reference = None
     outputs = []
-    for batch, reuse, pages in itertools.product(args.batch, args.reuse_prefixes, args.admit_page_fraction):
+    for batch, reuse, pages, kv_dtype in itertools.product(
+        args.batch, args.reuse_prefixes, args.admit_page_fraction, args.kv_cache_dtype
+    ):
         knobs = {"reuse_prefixes": reuse, "admit_page_fraction": pages}
-        row, messages = run_chat(model, records, batch, knobs, args)
+        row, messages = run_chat(model, records, batch, knobs, kv_dtype or "auto", args)
         row["identical_to_first_row"] = sum(a == b for a, b in zip(messages, outputs[0])) if outputs else None
         outputs.append(messages)
-        result["rows"].append(row)
         free(device)
         same = f"; {row['identical_to_first_row']}/{len(messages)} records as the first row's" if outputs[1:] else ""
         print(
-            f"chat B={batch} reuse {'on' if reuse else 'off'} admit pages {pages:g}: {row['tokens_per_s']:,.0f} "
-            f"generated tok/s ({row['generated_tokens']:,} in {row['seconds']:.1f} s, {row['replies']} replies); "
-            f"prompts {row['prefilled_tokens']:,} prefilled + {row['cached_tokens']:,} cached{same}",
+            f"chat B={batch} reuse {'on' if reuse else 'off'} admit pages {pages:g}{' fp8 KV' if kv_dtype else ''}: "
+            f"{row['tokens_per_s']:,.0f} generated tok/s ({row['generated_tokens']:,} in {row['seconds']:.1f} s, "
+            f"{row['replies']} replies); prompts {row['prefilled_tokens']:,} prefilled + {row['cached_tokens']:,} "
+            f"cached{same}",
             flush=True,
         )
+        if args.score_replies:
+            if reference is None:
+                reference = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+            row["scores"] = score_replies(reference, tokenizer, messages, args.chat_max_length)
+            if outputs[1:]:
+                row["vs_first_row"] = reply_divergence(outputs[0], messages, tokenizer)
+            free(device)
+            sc, vs = row["scores"], row.get("vs_first_row")
+            print(
+                f"  {sc['reply_tokens']:,} reply tokens scored in float32: {sc['argmax_agreement']:.2%} the target's "
+                f"argmax, mean NLL {sc['mean_nll']:.4f}"
+                + (
+                    f"; vs the first row: {vs['identical_replies']}/{vs['replies']} replies identical, "
+                    f"{vs['common_prefix_fraction']:.1%} of tokens before the first difference"
+                    if vs
+                    else ""
+                ),
+                flush=True,
+            )
+        result["rows"].append(row)
     emit(result, args.json)
     return result
 

@@ -137,6 +137,41 @@ def test_replies_from_needs_a_complete_store_with_the_same_reply_settings(
 
 
 @pytest.mark.slow
+def test_a_store_built_elsewhere_from_its_packed_replies_generates_none(
+    scale_run: SimpleNamespace, tmp_path: Path
+) -> None:
+    """`pack-replies` then `regenerate --replies-archive` in another run folder (another machine's): the
+    same conversations, none generated; a missing or foreign archive is one line and no store."""
+    from dflash_pipeline.shared.store.reader import FeatureStore
+
+    archive = tmp_path / "replies.tar.xz"
+    packed = run_ok("pack-replies", "--out", str(scale_run.out), "--store", "fp8", "--archive", str(archive))
+    assert f"pack-replies: {archive} (" in packed and archive.stat().st_size > 0
+    out, target = tmp_path / "elsewhere", tmp_path / "target"  # the same target, at another path
+    shutil.copytree(scale_run.target, target)
+    where = ["--out", str(out), "--prompts", str(scale_run.prompts), "--device", "cpu"]
+    where += ["--target", str(target), "--max-new-tokens", "8", "--max-length", "256"]
+    log = run_ok("regenerate", *where, "--replies-archive", str(archive))
+    assert "5 reused from an earlier run" in log and "nothing generated now" in log
+    source, rebuilt = FeatureStore(scale_run.out / "fp8"), FeatureStore(out / "store")
+    assert (source.manifest.hidden_dtype, rebuilt.manifest.hidden_dtype) == ("float8_e4m3fn", "bfloat16")
+    assert len(rebuilt) == len(source) == 5
+    for i in range(len(source)):
+        assert rebuilt[i].input_ids.tolist() == source[i].input_ids.tolist()
+        assert rebuilt[i].loss_mask.tolist() == source[i].loss_mask.tolist()
+    # the manifest says where this store's data and target are
+    assert rebuilt.manifest.data["paths"] == [str(out / "train_conversations.jsonl")]
+    assert rebuilt.manifest.target["location"] == str(target.resolve())
+    with pytest.raises(SystemExit) as missing:
+        main(["regenerate", *where, "--store", "other", "--replies-archive", "nope.tar.xz"])
+    assert str(missing.value.code) == f"--replies-archive {scale_run.prompts / 'nope.tar.xz'}: no such file"
+    (tmp_path / "junk.tar.xz").write_bytes(b"not an archive")
+    with pytest.raises(SystemExit, match=r"^--replies-archive .*junk.tar.xz: unreadable \("):
+        main(["regenerate", *where, "--store", "other", "--replies-archive", str(tmp_path / "junk.tar.xz")])
+    assert not (out / "other").exists() and not (out / "other.partial").exists()
+
+
+@pytest.mark.slow
 def test_train_uses_the_named_store(scale_run: SimpleNamespace) -> None:
     runs = scale_run.report["runs"]
     assert {name: (r["store"], r["store_dtype"], r["loss"]) for name, r in runs.items()} == {

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.regenerate import draw_lengths, main
 
@@ -128,6 +129,78 @@ def test_bench_regenerate_chat_runs_real_conversations_with_and_without_reuse(ti
     assert on["prefilled_tokens"] + on["cached_tokens"] == off["prefilled_tokens"]
     assert off["identical_to_first_row"] == 5
     assert json.loads((tmp_path / "chat.json").read_text())["records"] == 5
+
+
+def test_bench_regenerate_chat_scores_lossless_and_fp8_replies(tiny_target_dir, tmp_path: Path) -> None:
+    """`--chat --score-replies` with both KV caches: every row's replies scored, the fp8 row's
+    compared with the lossless row's, reply by reply."""
+    sample = Path(__file__).parents[1] / "data" / "sample" / "conversations.jsonl"
+    args = ["--device", "cpu", "--target", str(tiny_target_dir), "--chat", str(sample), "--requests", "4"]
+    args += ["--max-reply", "8", "--batch", "3", "--kv-cache-dtype", "auto", "--kv-cache-dtype", "float8_e4m3fn"]
+    lossless, fp8 = main([*args, "--score-replies"])["rows"]
+    assert (lossless["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("auto", "float8_e4m3fn")
+    assert lossless["scores"]["reply_tokens"] >= lossless["replies"] * 4
+    assert "vs_first_row" not in lossless
+    vs = fp8["vs_first_row"]
+    # fp8 rounding changes some greedy replies of the tiny random target (near-tied logits)
+    assert vs["replies"] == lossless["replies"] and vs["identical_replies"] < vs["replies"]
+    for row in (lossless, fp8):
+        assert 0 < row["scores"]["argmax_agreement"] <= 1 and row["scores"]["mean_nll"] > 0
+
+
+def test_reply_scores_equal_the_target_run_on_each_prefix(tiny_target_dir) -> None:
+    """score_replies teacher-forces whole conversations; the same counts from the target run on each
+    reply token's prefix alone, one at a time (the loss mask as extraction makes it)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.reply_scoring import score_replies
+    from dflash_pipeline.data.records import Record
+    from dflash_pipeline.data.tokens import tokenize_record
+    from dflash_pipeline.shared.target.assets import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_target_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    user = {"role": "user", "content": "what is two plus two"}
+    conversations = [
+        [user, {"role": "assistant", "content": "four"}],
+        [user, {"role": "assistant", "content": "four cats"}, user, {"role": "assistant", "content": "five"}],
+    ]
+    tokens = agree = 0
+    nll = 0.0
+    with torch.no_grad():
+        for i, messages in enumerate(conversations):
+            sample = tokenize_record(Record(i, "t", messages=messages), tokenizer, 256)
+            for t in map(int, sample.loss_mask.nonzero()[0]):
+                logits = model(torch.as_tensor(sample.input_ids[None, :t], dtype=torch.long)).logits[0, -1]
+                label = int(sample.input_ids[t])
+                tokens, agree = tokens + 1, agree + int(logits.argmax() == label)
+                nll -= float(torch.log_softmax(logits, -1)[label])
+    scores = score_replies(model, tokenizer, conversations, 256)
+    assert scores["reply_tokens"] == tokens > 6 and scores["argmax_agreement"] == agree / tokens
+    assert scores["mean_nll"] == pytest.approx(nll / tokens, rel=1e-5)
+
+
+def test_reply_divergence_pairs_replies_and_counts_the_common_prefix(tiny_target_dir) -> None:
+    """Two conversations regenerated two ways: one reply identical, one changed from its first token;
+    the common prefix is counted in tokens over the shorter of each pair. An assistant turn opening a
+    conversation was never regenerated and is not counted."""
+    from bench.reply_scoring import reply_divergence
+    from dflash_pipeline.shared.target.assets import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_target_dir)
+    user = {"role": "user", "content": "what is two plus two"}
+    opening = {"role": "assistant", "content": "hello"}
+    first = [
+        [user, {"role": "assistant", "content": "it is four"}],
+        [opening, user, {"role": "assistant", "content": "four"}],
+    ]
+    other = [first[0], [opening, user, {"role": "assistant", "content": "two cats"}]]
+    ids = {t: tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("it is four", "four", "two cats")}
+    assert ids["four"][0] != ids["two cats"][0]
+    common = len(ids["it is four"]) + 0
+    compared = len(ids["it is four"]) + min(len(ids["four"]), len(ids["two cats"]))
+    vs = reply_divergence(first, other, tokenizer)
+    assert vs == {"replies": 2, "identical_replies": 1, "common_prefix_fraction": common / compared}
 
 
 def test_bench_regenerate_rows_per_kv_cache_dtype() -> None:
