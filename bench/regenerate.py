@@ -267,14 +267,12 @@ def chat_records(path: Path, n: int) -> list:
         return [(r.index, r) for r in islice(iter_records(path), n)]
 
 
-def run_chat(model, records: list, batch: int, knobs: dict, kv_cache_dtype: str, args) -> tuple[dict, list]:
+def run_chat(model, tokenizer, records: list, batch: int, knobs: dict, kv_cache_dtype: str, args) -> tuple[dict, list]:
     """One `regenerate_records` pass over real conversations (module doc) with the KV cache
     `kv_cache_dtype` ("auto" or lossy): the row, and every record's messages as regenerated."""
     from dflash_pipeline.extract.regenerate import RegenerateSettings, regenerate_records
     from dflash_pipeline.shared.generation.engine import EngineSettings
-    from dflash_pipeline.shared.target.assets import load_tokenizer
 
-    tokenizer = load_tokenizer(args.target)
     settings = RegenerateSettings(
         max_new_tokens=args.max_reply, temperature=args.chat_temperature, seed=args.seed, kv_cache_dtype=kv_cache_dtype
     )
@@ -1190,7 +1188,7 @@ def main_chat(model, what: str, args, device: torch.device) -> dict:
         args.batch, args.reuse_prefixes, args.admit_page_fraction, args.kv_cache_dtype
     ):
         knobs = {"reuse_prefixes": reuse, "admit_page_fraction": pages}
-        row, messages = run_chat(model, records, batch, knobs, kv_dtype or "auto", args)
+        row, messages = run_chat(model, tokenizer, records, batch, knobs, kv_dtype or "auto", args)
         row["identical_to_first_row"] = sum(a == b for a, b in zip(messages, outputs[0])) if outputs else None
         outputs.append(messages)
         free(device)
