@@ -14,6 +14,9 @@
 # with deadlines, relative to the checkout; format in bench/scale_plan.sh; default bench/plans/scale_dflash_dflash2.plan);
 # PACK_REPLIES=NAME makes the scale step end by packing store NAME's replies into $OUT/replies_NAME.tar.xz
 # (bench/replies_archive.py; moved into .carry_b/scale, a plan's `regenerate --replies-archive` starts from it).
+# The scale step compiles into /tmp/qs/inductor (TORCHINDUCTOR_CACHE_DIR; the trainer's first start on a bare
+# machine took >151 s, a resumed one 45 s): PACK_INDUCTOR=1 ends it by packing that cache into
+# $OUT/inductor_cache.tar.xz; moved to .carry_a/, stash_a keeps it and the next machine's scale step starts warm.
 set -u
 OUT=${OUT:?set OUT to a results folder}
 export PYTHONUNBUFFERED=1
@@ -73,7 +76,8 @@ for s in $steps; do
     stash_a) step stash_a 60 bash -c '
       set -e; [ -f .carry_a/smollm2/part-1 ] || { echo "no .carry_a/smollm2/part-1: carry .carry_a"; exit 1; }
       mkdir -p /tmp/smollm2 /tmp/carry_wheels; cp .carry_a/smollm2/* /tmp/smollm2/
-      cp .carry_a/wheels/*.whl /tmp/carry_wheels/; ls -l /tmp/smollm2 /tmp/carry_wheels' ;;
+      cp .carry_a/wheels/*.whl /tmp/carry_wheels/; ls -l /tmp/smollm2 /tmp/carry_wheels
+      if [ -f .carry_a/inductor_cache.tar.xz ]; then cp .carry_a/inductor_cache.tar.xz /tmp/; fi' ;;
     quality) step quality 480 bash -c '
       set -e; join_smollm2; rm -rf /tmp/quality
       python3 -m bench.quality --device cuda --gguf $d/$name --prompts .carry_b/smollm2 --out /tmp/quality \
@@ -91,6 +95,10 @@ for s in $steps; do
     # times in the log now show where the rest goes).
     scale) step scale 585 bash -c '
       t0=$(date +%s); set -e; join_smollm2
+      export TORCHINDUCTOR_CACHE_DIR=/tmp/qs/inductor
+      if [ ! -d $TORCHINDUCTOR_CACHE_DIR ] && [ -f /tmp/inductor_cache.tar.xz ]; then
+        mkdir -p $TORCHINDUCTOR_CACHE_DIR && tar -xJf /tmp/inductor_cache.tar.xz -C $TORCHINDUCTOR_CACHE_DIR
+      fi
       [ -d /tmp/qs/target ] || python3 -c "import sys; from pathlib import Path; from bench.compression import smollm2_folder; smollm2_folder(Path(\"/tmp/qs/target\"), Path(sys.argv[1]))" $d/$name
       set +e; bash bench/scale_plan.sh "${SCALE_PLAN:-bench/plans/scale_dflash_dflash2.plan}" /tmp/qs/run .carry_b/scale \
         /tmp/qs/target '"$OUT"'/quality_scale.json $t0
@@ -98,6 +106,9 @@ for s in $steps; do
       if [ -n "'"${PACK_REPLIES:-}"'" ]; then
         python3 -m bench.quality_scale pack-replies --out /tmp/qs/run --store "'"${PACK_REPLIES:-}"'" \
           --archive '"$OUT"'/replies_'"${PACK_REPLIES:-}"'.tar.xz || rc=1
+      fi
+      if [ -n "'"${PACK_INDUCTOR:-}"'" ]; then
+        XZ_OPT=-T0 tar -cJf '"$OUT"'/inductor_cache.tar.xz -C $TORCHINDUCTOR_CACHE_DIR . && ls -l '"$OUT"'/inductor_cache.tar.xz || rc=1
       fi
       # every evaluation with its per-prompt steps (accepted counts per verify step), for analyses here
       mkdir -p '"$OUT"'/evaluations; cp /tmp/qs/run/eval_*.json /tmp/qs/run/ngram_N*.json '"$OUT"'/evaluations/ 2>/dev/null
