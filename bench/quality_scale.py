@@ -53,7 +53,7 @@ from pathlib import Path
 from bench import emit
 from bench.compression import installed_sharegpt
 from bench.quality import mask_token_id, normalised, untrained_copy
-from bench.replies_archive import REPLIES, pack_replies, unpack_replies
+from bench.replies_archive import pack_replies, unpack_replies
 from dflash_pipeline.demo import run_step
 from dflash_pipeline.extract.run import target_location
 from dflash_pipeline.shared.store.layout import StoreLayout
@@ -185,24 +185,25 @@ def copy_replies(out: Path, source: str, store: Path, store_dtype: str, store_to
     does not exist yet (a rerun resumes what is there)."""
     if store.exists():
         return
-    if not (out / source / "regenerated").is_dir():
-        sys.exit(f"quality_scale regenerate: --replies-from {source}: no {out / source / 'regenerated'}")
+    replies = StoreLayout(out / source).regenerated_dir
+    if not replies.is_dir():
+        sys.exit(f"quality_scale regenerate: --replies-from {source}: no {replies}")
     theirs = complete_manifest(out / source, f"quality_scale regenerate: --replies-from {source}")
-    start_store(store, theirs, out / source / "regenerated", store_dtype, store_topk)
+    start_store(store, theirs, replies, store_dtype, store_topk)
 
 
-def replies_from_archive(args, store: Path) -> None:
+def replies_from_archive(args, store: Path, data: Path) -> None:
     """Start store `store` from a replies archive (bench/replies_archive.py) another machine packed: its
-    replies, and its manifest with this run's data file and target paths (their fingerprints, checked by
+    replies, and its manifest with this run's data file (`data`) and target paths (their fingerprints, checked by
     dflash-extract, still say whether they are the same). Only where `store` does not exist yet."""
     if store.exists():
         return
     archive = args.replies_archive if args.replies_archive.is_absolute() else args.prompts / args.replies_archive
     with tempfile.TemporaryDirectory() as tmp:
         theirs = unpack_replies(archive, Path(tmp))
-        theirs.data["paths"] = [str(train_data(args.prompts, args.out))]
+        theirs.data["paths"] = [str(data)]
         theirs.target.update(name_or_path=str(args.target), location=target_location(args.target))
-        start_store(store, theirs, Path(tmp) / REPLIES, args.store_dtype or "bfloat16", args.store_topk)
+        start_store(store, theirs, StoreLayout(tmp).regenerated_dir, args.store_dtype or "bfloat16", args.store_topk)
 
 
 def start_store(store: Path, theirs, replies: Path, store_dtype: str, store_topk: int) -> None:
@@ -225,7 +226,7 @@ def start_store(store: Path, theirs, replies: Path, store_dtype: str, store_topk
     )
     partial = store.with_name(store.name + ".partial")  # a copy cut short is never taken for a store
     shutil.rmtree(partial, ignore_errors=True)
-    shutil.copytree(replies, partial / "regenerated")
+    shutil.copytree(replies, StoreLayout(partial).regenerated_dir)
     mf.write_manifest(partial, ours)
     partial.rename(store)
 
@@ -242,7 +243,7 @@ def regenerate(args) -> None:
     if args.replies_from:  # dflash-extract's default --store-dtype, when none is given
         copy_replies(args.out, args.replies_from, store, args.store_dtype or "bfloat16", args.store_topk)
     if args.replies_archive:
-        replies_from_archive(args, store)
+        replies_from_archive(args, store, data)
     cmd = [
         *CLI,
         "dflash_pipeline.extract.cli",

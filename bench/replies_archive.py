@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash_pipeline.shared.store import manifest as mf
 from dflash_pipeline.shared.store.layout import StoreLayout
 
-REPLIES = "regenerated"  # the store's folder of reply cache files (StoreLayout.regenerated_dir's name)
+REPLIES = StoreLayout(Path()).regenerated_dir.name  # the store's folder of reply cache files, as named in archives
 
 
 def pack_replies(store: Path, archive: Path) -> int:
@@ -40,8 +40,8 @@ def pack_replies(store: Path, archive: Path) -> int:
 
 
 def unpack_replies(archive: Path, into: Path) -> mf.Manifest:
-    """Extract `archive` (made by `pack_replies`) into the empty folder `into`; the archived store's
-    manifest. One line and exit 1 for a missing file or one that is not such an archive."""
+    """Extract `archive` (made by `pack_replies`) into the empty folder `into`, laid out as the store
+    was (`StoreLayout(into)`: its manifest and `regenerated_dir`); the archived store's manifest. One line and exit 1 for a missing file or one that is not such an archive."""
     if not archive.is_file():
         sys.exit(f"--replies-archive {archive}: no such file")
     try:
