@@ -8,6 +8,10 @@ model generates after the role header -- the content and the end-of-turn token(s
 (``<|im_end|>``, ``<|eot_id|>``, or an empty think block a template puts there) -- and not the
 header or the newline a template writes after end-of-turn.
 
+A reply marked ``"unfinished": true`` (cut by a length limit: `extract.regenerate` marks the replies
+it stopped at ``max_new_tokens``) ends where its text ends: the end-of-turn the template writes after
+it closes the rendered turn, but the target never produced it there, so it is context, not a label.
+
 This only holds when each render is a prefix of the next (the template is *prefix-stable*); a
 template that rewrites earlier turns (real Qwen3 templates drop ``<think>`` from history) is
 reported as a `DataError` naming the sample. An assistant turn at message 0 answers no prompt: it
@@ -26,10 +30,12 @@ from jinja2 import TemplateError
 
 from .errors import DataError
 
+UNFINISHED = "unfinished"  # the key marking an assistant message whose reply was cut by a length limit
+
 
 def render(
     tokenizer: Any,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool,
     source: str,
@@ -46,7 +52,7 @@ def render(
 
 
 def render_with_reply_spans(
-    tokenizer: Any, messages: list[dict[str, str]], source: str, *, template_kwargs: dict[str, Any] | None = None
+    tokenizer: Any, messages: list[dict[str, Any]], source: str, *, template_kwargs: dict[str, Any] | None = None
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant replies (see module doc)."""
     text = render(tokenizer, messages, add_generation_prompt=False, source=source, template_kwargs=template_kwargs)
@@ -67,12 +73,31 @@ def render_with_reply_spans(
                 "whole; the template rewrites earlier turns)",
                 "template_not_prefix_stable",
             )
-        spans.append((len(prompt), max(len(prompt), len(upto.rstrip()))))
+        end = max(len(prompt), len(upto.rstrip()))
+        if messages[i].get(UNFINISHED):
+            end = _reply_text_end(upto, len(prompt), end, messages[i]["content"], f"{source}: turn {i + 1}")
+        spans.append((len(prompt), end))
     return text, spans
 
 
+def _reply_text_end(upto: str, start: int, end: int, content: str, where: str) -> int:
+    """Where an unfinished reply's text ends in its rendered turn [start, end): the last place the
+    content (or, for a template that trims it, the trimmed content) ends before the end-of-turn."""
+    for text in (content, content.strip()):
+        if not text:
+            return start
+        at = upto.rfind(text, start, end)
+        if at >= 0:
+            return at + len(text)
+    raise DataError(
+        f"{where}: the reply is marked unfinished, but the chat template does not write its text as it is "
+        "(its end cannot be told from the end-of-turn)",
+        "template_rewrites_reply",
+    )
+
+
 def generation_prompt_ids(
-    tokenizer: Any, messages: list[dict[str, str]], *, template_kwargs: dict[str, Any] | None = None, source: str = ""
+    tokenizer: Any, messages: list[dict[str, Any]], *, template_kwargs: dict[str, Any] | None = None, source: str = ""
 ) -> list[int]:
     """Ids of `messages` with the generation prompt, tokenized as `tokenize_record` tokenizes a
     conversation (the template writes the special tokens): a reply generated after them is the

@@ -3,7 +3,9 @@
 Accepted record shapes (one per record; exactly one of the three fields, `null` counts as absent):
 
 - ``{"messages": [{"role": "system"|"user"|"assistant", "content": str | [{"type": "text",
-  "text": str}, ...]}, ...]}`` (OpenAI). List content is joined with "\\n".
+  "text": str}, ...]}, ...]}`` (OpenAI). List content is joined with "\\n". An assistant turn may
+  carry ``"unfinished": true``: its reply was cut by a length limit (a server's ``finish_reason:
+  "length"``), so the template's end-of-turn after it is not a label (`dflash_pipeline.data.chat`).
 - ``{"conversations": [{"from": ..., "value": str}, ...]}`` (ShareGPT); ``from`` maps
   human/user -> user, gpt/assistant/chatgpt/bing/bard -> assistant, system -> system.
 - ``{"text": str}``: plain text.
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .chat import UNFINISHED
 from .errors import DataError
 from .readers import CONTENT_FIELDS, READERS, STOP_REASONS
 
@@ -54,7 +57,7 @@ class Record:
 
     index: int
     source: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     text: str | None = None
 
 
@@ -177,13 +180,22 @@ def _to_record(index: int, source: str, obj: Any, prompts: bool) -> Record:
     return Record(index, source, messages=messages)
 
 
-def _openai_turn(turn: Any, where: str) -> dict[str, str]:
+def _openai_turn(turn: Any, where: str) -> dict[str, Any]:
     role, content = _fields(turn, "role", "content", where)
     if role not in ROLES:
         raise DataError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})", "unknown_role")
     if isinstance(content, list):
         content = "\n".join(_text_part(part, where) for part in content)
-    return {"role": role, "content": _content(content, where)}
+    message: dict[str, Any] = {"role": role, "content": _content(content, where)}
+    unfinished = turn.get(UNFINISHED)
+    if unfinished is not None:
+        if not isinstance(unfinished, bool):
+            raise DataError(f"{where}: {UNFINISHED!r} is a {type(unfinished).__name__}, not a boolean", "wrong_type")
+        if role != "assistant":
+            raise DataError(f"{where}: {UNFINISHED!r} on a {role} turn (it marks a cut assistant reply)", "wrong_type")
+        if unfinished:
+            message[UNFINISHED] = True
+    return message
 
 
 def _sharegpt_turn(turn: Any, where: str) -> dict[str, str]:

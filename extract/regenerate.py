@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from dflash_pipeline.data.chat import generation_prompt_ids, stop_token_ids
+from dflash_pipeline.data.chat import UNFINISHED, generation_prompt_ids, stop_token_ids
 from dflash_pipeline.data.records import Record
 from dflash_pipeline.shared.generation.engine import (
     LOSSY_KV_CACHE_DTYPES,
@@ -258,7 +258,10 @@ class _Regenerator:
     def accept(self, index: int, tokens: list[int], finished: bool) -> None:
         conv = self.convs[index]
         body = tokens[:-1] if finished else tokens
-        conv.new.append({"role": "assistant", "content": self.tokenizer.decode(body, skip_special_tokens=True)})
+        message = {"role": "assistant", "content": self.tokenizer.decode(body, skip_special_tokens=True)}
+        if not finished:  # cut at max_new_tokens: the template's end-of-turn after it is no label
+            message[UNFINISHED] = True
+        conv.new.append(message)
         conv.next_turn += 1
         conv.reply_tokens.append(len(tokens))
         conv.unfinished += int(not finished)

@@ -42,6 +42,15 @@ def test_openai_messages_with_text_parts(tmp_path):
     assert records[1].messages[0] == {"role": "user", "content": "2+2?\nAnswer in digits."}
 
 
+def test_an_assistant_turn_cut_by_a_length_limit_stays_marked(tmp_path):
+    cut = {"role": "assistant", "content": "4, becau", "unfinished": True}
+    whole = {"role": "assistant", "content": "4.", "unfinished": False}
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT[:2] + [cut]}, {"messages": CHAT[:2] + [whole]}])
+    first, second = iter_records(path)
+    assert first.messages == CHAT[:2] + [cut]
+    assert second.messages == CHAT  # false is the default: not kept
+
+
 def test_sharegpt_roles_map_to_openai(tmp_path):
     speakers = ["human", "gpt", "user", "chatgpt", "Human", "bing", "USER", "bard", "assistant"]
     turns = [{"from": s, "value": f"turn {n}"} for n, s in enumerate(speakers)]
@@ -159,6 +168,14 @@ BAD_RECORDS = [
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}]}, "unknown_role"),
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": 5}]}, "wrong_type"),
     ({"conversations": [{"from": "human", "value": "x"}]}, "no_assistant_turn"),
+    (
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "unfinished": "yes"}]},
+        "wrong_type",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x", "unfinished": True}, {"role": "assistant", "content": "y"}]},
+        "wrong_type",
+    ),
     ({"text": ""}, "empty_text"),
     ({"text": ["a"]}, "wrong_type"),
 ]

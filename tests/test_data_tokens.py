@@ -129,6 +129,58 @@ def test_qwen3_style_template_token_by_token():
     )
 
 
+# Llama 3 style: the template trims each message's content before its end-of-turn.
+TRIMMING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def cut(message: dict, content: str | None = None) -> dict:
+    """`message` as a reply cut by a length limit."""
+    return {**message, "content": content or message["content"], "unfinished": True}
+
+
+@pytest.mark.parametrize(
+    "template, header",
+    [
+        (CHATML_TEMPLATE, "<|im_start|> assistant Ċ"),
+        (QWEN3_STYLE_TEMPLATE, "<|im_start|> assistant Ċ <think> Ċ Ċ </think> Ċ Ċ"),
+    ],
+)
+def test_a_reply_cut_by_a_length_limit_has_no_end_of_turn_label(template, header):
+    tok = hand_tokenizer(template)
+    sample = tokenize_record(chat([TWO_TURNS[0], cut(TWO_TURNS[1]), *TWO_TURNS[2:]]), tok, None)
+    assert tokens_and_mask(sample, tok) == (
+        "<|im_start|> user Ċ 2 + 2 ? <|im_end|> Ċ "
+        f"{header} [4] [.] <|im_end|> Ċ "
+        "<|im_start|> user Ċ H i <|im_end|> Ċ "
+        f"{header} [B] [y] [e] [<|im_end|>] Ċ"
+    )
+
+
+def test_a_cut_reply_ends_at_its_text_when_the_template_trims_it():
+    tok = hand_tokenizer(TRIMMING_TEMPLATE)
+    ends_in_space = cut(TWO_TURNS[3], "Bye ")
+    sample = tokenize_record(chat([*TWO_TURNS[:3], ends_in_space]), tok, None)
+    assert tokens_and_mask(sample, tok) == (
+        "<|im_start|> user Ċ 2 + 2 ? <|im_end|> Ċ "
+        "<|im_start|> assistant Ċ [4] [.] [<|im_end|>] Ċ "
+        "<|im_start|> user Ċ H i <|im_end|> Ċ "
+        "<|im_start|> assistant Ċ [B] [y] [e] <|im_end|> Ċ"
+    )
+
+
+def test_a_cut_reply_whose_text_the_template_rewrites_is_rejected_naming_the_turn():
+    tok = hand_tokenizer(CHATML_TEMPLATE.replace("message['content']", "message['content'] | upper"))
+    tokenize_record(chat(TWO_TURNS), tok, None)  # finished replies need not be found
+    with pytest.raises(DataError, match=r"^test\.jsonl:7: turn 4: the reply is marked unfinished, but") as caught:
+        tokenize_record(chat([*TWO_TURNS[:3], cut(TWO_TURNS[3])]), tok, None)
+    assert caught.value.reason == "template_rewrites_reply"
+
+
 def test_template_that_rewrites_history_is_rejected_naming_the_sample():
     tok = hand_tokenizer(QWEN3_HISTORY_TEMPLATE)
     single = tokenize_record(chat(TWO_TURNS[:2]), tok, None)  # one reply: nothing rewritten

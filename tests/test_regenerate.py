@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_pipeline.data.chat import stop_token_ids
+from dflash_pipeline.data.chat import UNFINISHED, stop_token_ids
 from dflash_pipeline.data.records import Record, iter_records
 from dflash_pipeline.data.tokens import tokenize_record
 from dflash_pipeline.extract.config import ExtractConfig
@@ -99,6 +99,24 @@ def test_greedy_replies_equal_target_greedy_decoding_turn_by_turn(target, tiny_t
     roles = [[m["role"] for m in r.messages] for r in out[:3]]
     assert roles == [[m["role"] for m in c] for c in CONVERSATIONS]
     assert out[1].messages[0] == CONVERSATIONS[1][0] and out[1].messages[3] == CONVERSATIONS[1][3]
+
+
+def test_a_reply_cut_at_max_new_tokens_is_marked_and_gets_no_end_of_turn_label(target, tiny_tokenizer, tmp_path):
+    """The target never wrote an end-of-turn after a cut reply: the template's is context, not a label."""
+    out, stats = regenerate(target, tiny_tokenizer, tmp_path, RegenerateSettings(max_new_tokens=6))
+    stops = stop_token_ids(tiny_tokenizer, target.generation_config.eos_token_id)
+    conversations = [r for _, r in out if r.messages]
+    replies = [m for r in conversations for m in r.messages[1:] if m["role"] == "assistant"]
+    assert stats.unfinished == sum(m.get(UNFINISHED, False) for m in replies) > 0
+    for record in conversations:
+        sample = tokenize_record(record, tiny_tokenizer, None)
+        unmarked = [{k: v for k, v in m.items() if k != UNFINISHED} for m in record.messages]
+        whole = tokenize_record(Record(record.index, record.source, messages=unmarked), tiny_tokenizer, None)
+        assert np.array_equal(sample.input_ids, whole.input_ids)
+        dropped = whole.loss_mask.astype(bool) & ~sample.loss_mask.astype(bool)
+        assert not (sample.loss_mask.astype(bool) & ~whole.loss_mask.astype(bool)).any()
+        assert set(sample.input_ids[dropped].tolist()) <= stops
+        assert dropped.sum() == sum(m.get(UNFINISHED, False) for m in record.messages)
 
 
 def test_cache_resume_reuses_committed_conversations_and_ignores_a_torn_line(target, tiny_tokenizer, tmp_path):
