@@ -560,9 +560,10 @@ def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None,
         device = torch.device("cuda", gpu)
     else:
         device = torch.device("cpu")
-        # fixed by the host and world size alone (not OMP_NUM_THREADS or the caller's setting): a
-        # parallel CPU kernel splits its sums by thread count, and a run and its resume must round alike
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        # one thread, whatever OMP_NUM_THREADS or the host: a run and its resume must round alike, and
+        # with 2 threads about 1 process in 10 computed the drafter's RoPE cos differently (16 of 64
+        # columns off by up to 1.5e-4, so another step-1 loss); with 1 thread, 30 of 30 runs agreed
+        torch.set_num_threads(1)
     init_distributed(rank, world, device, init_method, cfg.collective_timeout)
     try:
         with ExitStack() as held:
