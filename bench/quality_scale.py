@@ -55,6 +55,7 @@ from bench.compression import installed_sharegpt
 from bench.quality import mask_token_id, normalised, untrained_copy
 from bench.replies_archive import pack_replies, unpack_replies
 from dflash_pipeline.demo import run_step
+from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import target_location
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.train.checkpoint import latest_checkpoint
@@ -192,7 +193,7 @@ def copy_replies(out: Path, source: str, store: Path, store_dtype: str, store_to
     start_store(store, theirs, replies, store_dtype, store_topk)
 
 
-def replies_from_archive(args, store: Path, data: Path) -> None:
+def replies_from_archive(args, store: Path, data: Path, store_dtype: str) -> None:
     """Start store `store` from a replies archive (bench/replies_archive.py) another machine packed: its
     replies, and its manifest with this run's data file (`data`) and target paths (their fingerprints, checked by
     dflash-extract, still say whether they are the same). Only where `store` does not exist yet."""
@@ -203,7 +204,7 @@ def replies_from_archive(args, store: Path, data: Path) -> None:
         theirs = unpack_replies(archive, Path(tmp))
         theirs.data["paths"] = [str(data)]
         theirs.target.update(name_or_path=str(args.target), location=target_location(args.target))
-        start_store(store, theirs, StoreLayout(tmp).regenerated_dir, args.store_dtype or "bfloat16", args.store_topk)
+        start_store(store, theirs, StoreLayout(tmp).regenerated_dir, store_dtype, args.store_topk)
 
 
 def start_store(store: Path, theirs, replies: Path, store_dtype: str, store_topk: int) -> None:
@@ -240,10 +241,11 @@ def pack(args) -> None:
 def regenerate(args) -> None:
     data = train_data(args.prompts, args.out)
     store = args.out / args.store
-    if args.replies_from:  # dflash-extract's default --store-dtype, when none is given
-        copy_replies(args.out, args.replies_from, store, args.store_dtype or "bfloat16", args.store_topk)
+    store_dtype = args.store_dtype or ExtractConfig.store_dtype  # dflash-extract's default, when none is given
+    if args.replies_from:
+        copy_replies(args.out, args.replies_from, store, store_dtype, args.store_topk)
     if args.replies_archive:
-        replies_from_archive(args, store, data)
+        replies_from_archive(args, store, data, store_dtype)
     cmd = [
         *CLI,
         "dflash_pipeline.extract.cli",

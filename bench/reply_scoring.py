@@ -20,7 +20,7 @@ from dflash_pipeline.data.tokens import tokenize_record
 
 
 @torch.no_grad()
-def score_replies(model: Any, tokenizer: Any, conversations: list[list[dict[str, str]]], max_length: int) -> dict:
+def score_replies(model: Any, tokenizer: Any, conversations: list[list[dict[str, Any]]], max_length: int) -> dict:
     """The reply tokens of `conversations` (message lists) teacher-forced through `model`: their count,
     the share that are the model's argmax after their context, and their mean NLL (nats)."""
     device = next(model.parameters()).device
@@ -42,13 +42,13 @@ def score_replies(model: Any, tokenizer: Any, conversations: list[list[dict[str,
     }
 
 
-def reply_divergence(first: list[list[dict[str, str]]], other: list[list[dict[str, str]]], tokenizer: Any) -> dict:
+def reply_divergence(first: list[list[dict[str, Any]]], other: list[list[dict[str, Any]]], tokenizer: Any) -> dict:
     """Replies of `other` against `first` (the same conversations, regenerated two ways), pairing
     each conversation's regenerated turns in order (assistant turns after the first message; one that
     opens a conversation answers nothing and is kept as it was): how many are identical, and the share
     of their tokens (of the shorter of each pair) before the first that differs."""
 
-    def replies(messages: list[dict[str, str]]) -> list[str]:
+    def replies(messages: list[dict[str, Any]]) -> list[str]:
         return [m["content"] for m in messages[1:] if m["role"] == "assistant"]
 
     pairs = identical = common = compared = 0
