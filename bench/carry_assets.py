@@ -94,6 +94,9 @@ def main() -> None:
     args = ap.parse_args()
     gguf = args.gguf or installed_gguf()
     folders = [ROOT / ".carry_a", ROOT / ".carry_b"]
+    # replies a GPU session packed (bench/replies_archive.py) cannot be rebuilt here: kept across rebuilds
+    # (a store started from one for other conversations is refused by dflash-extract's data fingerprint)
+    archives = {f.name: f.read_bytes() for f in (folders[1] / "scale").glob("replies_*.tar.xz")}
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
         (folder / "smollm2").mkdir(parents=True)
@@ -108,6 +111,8 @@ def main() -> None:
     (a / "sha256").write_text(f"{sha256(gguf)}  {gguf.name}\n")
     first_turn_prompts(b, args.train_prompts, args.eval_prompts)
     conversation_prompts(folders[1] / "scale", args.conversations, args.eval_per_domain)
+    for name, archive in archives.items():
+        (folders[1] / "scale" / name).write_bytes(archive)
     for folder in folders:
         size = folder_size(folder)
         print(f"{folder.name}: {size / 2**20:.1f} MiB")
