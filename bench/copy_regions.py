@@ -10,6 +10,12 @@ put on the side where it begins; its mean count there is its tau on that side. A
 to copy would accept about as much as the copy drafter does in the copyable regions.
 
     python -m bench.copy_regions --drafter eval_dflash5_T0_chain_N2048.json --copy ngram_N2048.json
+
+Without `--copy`, the copy drafter runs here on the replies the drafter report holds (its `target_tokens`):
+`--target` gives the tokenizer and stop ids, `--prompts` the report's prompts, whose token counts must
+equal the report's. No target forward, so a CPU reads a GPU session's reports without generating again:
+
+    python -m bench.copy_regions --drafter eval_dflash5_T0_chain_N2048.json --target T --prompts eval_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -70,23 +76,61 @@ def split(drafter_rows: list[dict], copy_rows: list[dict], min_copy: int) -> dic
     }
 
 
+def copy_rows_on_replies(report: dict, target: str, prompts_file: str) -> list[dict]:
+    """bench.ngram_baseline's per-prompt rows for the replies of a `dflash-eval --chain` report (module
+    doc); ValueError naming the prompt whose tokens differ from the report's count."""
+    from transformers import GenerationConfig
+
+    from bench.ngram_baseline import copy_accepted
+    from dflash_pipeline.data.chat import stop_token_ids
+    from dflash_pipeline.shared.target.assets import load_tokenizer
+    from dflash_pipeline.train.eval_cli import prompts_from
+
+    tokenizer = load_tokenizer(target)
+    stops = stop_token_ids(tokenizer, GenerationConfig.from_pretrained(target).eos_token_id)
+    rows = report["per_prompt"]
+    prompts = prompts_from(prompts_file, tokenizer, len(rows), 1024)
+    if len(prompts) != len(rows):
+        raise ValueError(f"{prompts_file} has {len(prompts)} prompts, the drafter report {len(rows)}")
+    copy = []
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        if len(prompt) != row["prompt_tokens"]:
+            raise ValueError(
+                f"prompt {i}: {len(prompt)} tokens with {target}'s tokenizer, {row['prompt_tokens']} in the drafter "
+                "report (another tokenizer or prompts file?)"
+            )
+        reply = row["target_tokens"]
+        accepted = copy_accepted(prompt, reply, report["max_new_tokens"], report["block_size"], stops)
+        copy.append({"accepted": accepted, "target_tokens": reply})
+    return copy
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", type=Path, required=True, help="dflash-eval --chain --json report")
-    ap.add_argument("--copy", type=Path, required=True, help="bench.ngram_baseline --json report")
+    ap.add_argument("--copy", type=Path, default=None, help="bench.ngram_baseline --json report")
+    ap.add_argument("--target", default=None, help="without --copy: the target folder (tokenizer, stop ids)")
+    ap.add_argument("--prompts", default=None, help="without --copy: the drafter report's prompts file")
     ap.add_argument("--min-copy", type=int, default=4, help="a copy step's count that makes its positions copyable")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.min_copy < 2:
         ap.error("--min-copy must be >= 2 (a count of 1 accepts no drafted token)")
-    reports = {}
-    for name in ("drafter", "copy"):
+    if args.copy is None and not (args.target and args.prompts):
+        ap.error("give --copy, or --target and --prompts (the copy drafter on the drafter report's replies)")
+    if args.copy is not None and (args.target or args.prompts):
+        ap.error("--copy reads the copy drafter's steps: --target and --prompts are for running it here instead")
+    reports, rows = {}, {}
+    for name in ("drafter", "copy") if args.copy else ("drafter",):
         try:
-            reports[name] = json.loads(getattr(args, name).read_text())["per_prompt"]
-        except (OSError, ValueError, KeyError) as e:
+            reports[name] = json.loads(getattr(args, name).read_text())
+            rows[name] = reports[name]["per_prompt"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
             sys.exit(f"bench.copy_regions: {getattr(args, name)}: not a report with per_prompt steps ({e})")
     try:
-        result = split(reports["drafter"], reports["copy"], args.min_copy)
+        if args.copy is None:
+            rows["copy"] = copy_rows_on_replies(reports["drafter"], args.target, args.prompts)
+        result = split(rows["drafter"], rows["copy"], args.min_copy)
     except ValueError as e:
         sys.exit(f"bench.copy_regions: {e}")
     emit(result, args.json)

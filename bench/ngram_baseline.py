@@ -58,11 +58,21 @@ def ngram_matches(prompt: Sequence[int], reply: Sequence[int], max_ngram: int, m
     return matches
 
 
+def copy_accepted(
+    prompt: Sequence[int], reply: Sequence[int], max_new_tokens: int, block_size: int, stops: set[int], ngram=(2, 4)
+) -> list[int]:
+    """The copy drafter's greedy verify steps on `reply` (tokens accepted per step, `dflash-eval --chain`'s
+    count), drafting with the longest earlier n-gram of `ngram` = (min, max) tokens."""
+    from dflash_pipeline.train.chain_tau import chain_accepted
+
+    return chain_accepted(reply, ngram_matches(prompt, reply, ngram[1], ngram[0]), max_new_tokens, block_size, stops)
+
+
 def main(argv: list[str] | None = None) -> dict:
     from dflash_pipeline.data.chat import stop_token_ids
     from dflash_pipeline.shared.target.assets import load_tokenizer
     from dflash_pipeline.shared.target.loading import load_full_target
-    from dflash_pipeline.train.chain_tau import chain_accepted, greedy_replies
+    from dflash_pipeline.train.chain_tau import greedy_replies
     from dflash_pipeline.train.eval_cli import prompts_from, taus
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -96,10 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         "windows": {},
     }
     for n in sorted({args.max_new_tokens, *args.windows}, reverse=True):
-        accepted = [
-            chain_accepted(r, ngram_matches(p, r, args.max_ngram, args.min_ngram), n, args.block_size, stops)
-            for p, r in zip(prompts, replies)
-        ]
+        ngram = (args.min_ngram, args.max_ngram)
+        accepted = [copy_accepted(p, r, n, args.block_size, stops, ngram) for p, r in zip(prompts, replies)]
         result["windows"][str(n)] = taus(accepted)
         if n == args.max_new_tokens:
             result["per_prompt"] = [

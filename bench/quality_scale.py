@@ -313,6 +313,7 @@ def train(args) -> None:
     cmd += ["--mask-token-id", str(mask)] if mask is not None else []
     cmd += ["--loss", args.loss] + (["--kl-weight", str(args.kl_weight)] if args.loss == "mix" else [])
     cmd += [] if args.eval_decode else ["--no-eval-decode"]
+    cmd += ["--compile-drafter"] if args.compile_drafter else []
     timed(args.out / "seconds.json", f"train {args.name}", lambda: run_step(f"train {args.name}", cmd))
 
 
@@ -660,6 +661,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     t.add_argument("--loss", choices=["ce", "kl", "mix"], default="ce", help="dflash-train --loss (kl: a top-K store)")
     t.add_argument("--kl-weight", type=float, default=0.5, help="--loss mix: the KL term's weight")
+    t.add_argument("--compile-drafter", action="store_true", help="dflash-train --compile-drafter")
     e = sub.choices["evaluate"]
     e.add_argument("--temperature", type=float, action="append", required=True)
     e.add_argument("--limit", type=int, default=32)

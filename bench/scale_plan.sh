@@ -8,6 +8,7 @@
 # deadline; a line with 5 s or less left is skipped. Every line gets `--out RUN --prompts PROMPTS`,
 # regenerate, evaluate and ngram also `--target TARGET`; after each line `report` rewrites JSON. Every line is
 # checked before any runs (exit 2 on a bad one); exit 1 if a line failed, was cut or was skipped.
+# SCALE_TRAIN_FLAGS in the environment (e.g. --compile-drafter) is appended to every train line.
 #   bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]
 set -u
 [ $# -ge 5 ] || { echo "usage: bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]"; exit 2; }
@@ -31,7 +32,7 @@ for entry in "${lines[@]}"; do
   read -r n deadline stage args <<< "$entry"
   left=$((deadline - ($(date +%s) - started)))
   where=(--out "$run" --prompts "$prompts")
-  [ "$stage" = train ] || where+=(--target "$target")
+  [ "$stage" = train ] && args="$args${SCALE_TRAIN_FLAGS:+ $SCALE_TRAIN_FLAGS}" || where+=(--target "$target")
   if [ $left -le 5 ]; then
     echo "--- plan line $n: $stage $args: skipped, its deadline ($deadline s) has passed"
     status=1

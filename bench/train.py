@@ -15,11 +15,14 @@ loader into CPU memory. `--shape smollm2-135m` times the issue 18 runs' small dr
 step is far from compute-bound), `--num-blocks` the blocks per pack; beside the compiled step, the
 trainer's own `Trainer.train_step` is timed on the same batch (its host reads of the loss, gradient
 norm and counts wait for the GPU every step), and `--profile-step` compares its wall time with the
-GPU's busy time under torch.profiler.
+GPU's busy time under torch.profiler. `--compile-drafter` adds the same step and the trainer's step with
+the drafter compiled as one graph (`dflash-train --compile-drafter`); `--arch dflash2` times DFlash-2's.
 
     python -m bench.train --scratch /tmp/bench_train --json result.json
     python -m bench.train --scratch /tmp/bench_train --store-dtype bfloat16 --store-dtype float8_e4m3fn
     python -m bench.train --scratch /tmp/bench_train --shape smollm2-135m --num-blocks 1024 --skip-eager --skip-loader --profile-step
+    python -m bench.train --scratch /tmp/bench_train --shape smollm2-135m --num-blocks 256 --arch dflash2 \
+        --skip-eager --skip-loader --compile-drafter --profile-step
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from dflash_pipeline.shared.store.fp8 import quantize
 from dflash_pipeline.shared.store.layout import SCALED_DTYPES
 from dflash_pipeline.shared.store.manifest import STORAGE_DTYPES
 from dflash_pipeline.shared.store.reader import FeatureStore
+from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan
+from dflash_pipeline.train.loop import dflash2_settings
 from dflash_pipeline.train.step import pack_loss, to_device
 
 S, N, B = 4096, 256, 16
@@ -84,13 +89,16 @@ def step_flops(cfg: DFlashConfig, batch) -> float:
     return 3 * trained + 2 * head
 
 
-def time_steps(model, head, batch, backend: str, gamma: float, steps: int) -> float:
+def time_steps(model, head, batch, backend: str, gamma: float, steps: int, compiled: bool = False) -> float:
+    """Seconds per forward + backward + AdamW step with no host reads; `compiled`: the drafter compiled
+    as one graph, as `dflash-train --compile-drafter` runs it."""
     model.attention_backend = backend
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step_model = torch.compile(model, dynamic=False) if compiled else model
 
     def one():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss_sum, weight, _ = pack_loss(model, head, batch, gamma)
+            loss_sum, weight, _ = pack_loss(step_model, head, batch, gamma, compiled=compiled)
         (loss_sum / weight).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -110,9 +118,10 @@ def seconds_per_call(fn, calls: int, warmup: int = 3) -> float:
     return (time.perf_counter() - t) / calls
 
 
-def trainer_step(model, head, gamma: float, device: torch.device):
+def trainer_step(model, head, gamma: float, device: torch.device, compiled: bool = False):
     """`Trainer.train_step` itself (its host reads of the weight, loss, gradient norm and counts
-    included) on a stand-in for the Trainer holding only what that method reads; -> step(batch)."""
+    included) on a stand-in for the Trainer holding only what that method reads; -> step(batch).
+    `compiled`: on the drafter compiled as `dflash-train --compile-drafter` compiles it."""
     from types import SimpleNamespace
 
     from dflash_pipeline.train.loop import Trainer
@@ -128,18 +137,19 @@ def trainer_step(model, head, gamma: float, device: torch.device):
         optimizer=opt,
         scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0),
         trainable=[p for p in model.parameters() if p.requires_grad],
-        cfg=SimpleNamespace(selector_loss_weight=1.0, grad_clip=1.0),
+        cfg=SimpleNamespace(selector_loss_weight=1.0, grad_clip=1.0, compile_drafter=compiled),
         state=SimpleNamespace(step=0),
         out=None,
         autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16),
     )
-    return lambda batch: Trainer.train_step(trainer, model, batch)
+    step_model = torch.compile(model, dynamic=False) if compiled else model
+    return lambda batch: Trainer.train_step(trainer, step_model, batch)
 
 
-def time_trainer_steps(model, head, batch, gamma: float, steps: int) -> float:
+def time_trainer_steps(model, head, batch, gamma: float, steps: int, compiled: bool = False) -> float:
     """Seconds per step of the trainer's own step (`trainer_step`), with the count of the batch's
     context tokens that `Trainer.fit` reads after it."""
-    step = trainer_step(model, head, gamma, batch["block_ids"].device)
+    step = trainer_step(model, head, gamma, batch["block_ids"].device, compiled)
 
     def one():
         step(batch)
@@ -148,14 +158,14 @@ def time_trainer_steps(model, head, batch, gamma: float, steps: int) -> float:
     return seconds_per_call(one, steps)
 
 
-def profile_trainer_step(model, head, batch, gamma: float, top: int = 15) -> dict:
+def profile_trainer_step(model, head, batch, gamma: float, top: int = 15, compiled: bool = False) -> dict:
     """One trainer step (`trainer_step`) under torch.profiler after warm-up: its wall time, the
     device's busy time (the step's kernels and copies summed; one stream), and the top operators by
     device time (host operators and their kernels both listed), so the gap between wall and busy time
     shows what the host costs."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = trainer_step(model, head, gamma, batch["block_ids"].device)
+    step = trainer_step(model, head, gamma, batch["block_ids"].device, compiled)
     for _ in range(3):
         step(batch)
     torch.cuda.synchronize()
@@ -480,6 +490,13 @@ def main() -> None:
         action="store_true",
         help="also one trainer step under torch.profiler: wall against device-busy time, top operators",
     )
+    ap.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash", help="the drafter (dflash-train --arch)")
+    ap.add_argument(
+        "--compile-drafter",
+        action="store_true",
+        help="also the step and the trainer's step with the drafter compiled as one graph (dflash-train "
+        "--compile-drafter), beside the eager drafter with compiled flex",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--loader-workers", type=int, default=8)
     ap.add_argument("--loader-steps", type=int, default=150, help="timed batches per loader run")
@@ -505,8 +522,14 @@ def main() -> None:
     dtypes = args.store_dtype or ["bfloat16"]
     make_target, layer_ids = SHAPES[args.shape]
     target = make_target()
+    train_defaults = TrainConfig(store="", out="", arch=args.arch)  # dflash-train's DFlash-2 settings
     cfg = DFlashConfig.for_target(
-        target.to_dict(), layer_ids, mask_token_id=target.vocab_size - 1, num_layers=args.layers, block_size=B
+        target.to_dict(),
+        layer_ids,
+        mask_token_id=target.vocab_size - 1,
+        num_layers=args.layers,
+        block_size=B,
+        **dflash2_settings(train_defaults, target),
     )
     if not torch.cuda.is_available():
         if not args.loader_only:
@@ -526,6 +549,7 @@ def main() -> None:
     flops = step_flops(cfg, batch)
     result = {
         "shape": args.shape,
+        "arch": args.arch,
         "drafter_layers": args.layers,
         "pack_tokens": S,
         "blocks": args.num_blocks,
@@ -537,15 +561,18 @@ def main() -> None:
 
     backends = [] if args.loader_only else ["flex_compiled", "sdpa_dense"] + ([] if args.skip_eager else ["flex_eager"])
     # the trainer's path on each other store dtype's batch (dequantized in the step)
-    runs = [(b, b, batch) for b in backends] + [
-        (f"flex_compiled_{d}", "flex_compiled", stored_batch(batch, d))
+    runs = [(b, b, batch, False) for b in backends] + [
+        (f"flex_compiled_{d}", "flex_compiled", stored_batch(batch, d), False)
         for d in dtypes
         if d != "bfloat16" and not args.loader_only
     ]
-    for name, backend, run_batch in runs:
+    if args.compile_drafter and not args.loader_only:
+        runs.append(("compiled_drafter", "flex_compiled", batch, True))
+    for name, backend, run_batch, compiled in runs:
         with CompileCounter() as counter:
             try:
-                sec = time_steps(model, head, run_batch, backend, gamma, args.steps if backend != "flex_eager" else 3)
+                steps = args.steps if backend != "flex_eager" else 3
+                sec = time_steps(model, head, run_batch, backend, gamma, steps, compiled)
             except torch.OutOfMemoryError as exc:
                 result[name] = {"error": f"OOM: {str(exc).splitlines()[0]}"}
                 torch.cuda.empty_cache()
@@ -568,6 +595,17 @@ def main() -> None:
         }
         if args.profile_step:
             result["trainer_step"]["profile"] = profile_trainer_step(model, head, batch, gamma)
+        if args.compile_drafter:
+            sec_compiled = time_trainer_steps(model, head, batch, gamma, args.steps, compiled=True)
+            result["trainer_step_compiled"] = {
+                "step_s": sec_compiled,
+                "context_tokens_per_s": S / sec_compiled,
+                "speedup_vs_trainer_step": sec / sec_compiled,
+            }
+            if args.profile_step:
+                result["trainer_step_compiled"]["profile"] = profile_trainer_step(
+                    model, head, batch, gamma, compiled=True
+                )
     for other in ("sdpa_dense", "flex_eager"):
         if fc and "step_s" in result.get(other, {}):
             result[f"compiled_flex_speedup_vs_{other}"] = result[other]["step_s"] / fc

@@ -42,3 +42,36 @@ def test_other_replies_are_refused_with_the_prompt() -> None:
         split([{"accepted": [2], "target_tokens": [5, 6, 7]}], [{"accepted": [2], "target_tokens": [5, 6, 8]}], 4)
     with pytest.raises(ValueError, match="2 prompts, the copy report 1"):
         split([{"accepted": [8]}, {"accepted": [8]}], [{"accepted": [8]}], min_copy=4)
+
+
+def test_without_a_copy_report_the_copy_drafter_runs_on_the_drafter_reports_replies(
+    tiny_target_dir: Path, tmp_path: Path, capsys
+) -> None:
+    from bench.ngram_baseline import copy_accepted
+    from dflash_pipeline.shared.target.assets import load_tokenizer
+    from dflash_pipeline.train.eval_cli import prompts_from
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("say it again and again", "count on")))
+    ids = prompts_from(str(prompts), load_tokenizer(tiny_target_dir), 2, 1024)
+    # a reply that repeats a 5-token phrase (the copy drafter accepts long steps once it has seen it) and
+    # one of distinct tokens found nowhere earlier (it drafts nothing)
+    replies = [[101, 102, 103, 104, 105] * 8, list(range(300, 340))]
+    copy = [copy_accepted(p, r, 40, 8, set()) for p, r in zip(ids, replies)]
+    assert copy[1] == [1] * 39 and max(copy[0]) >= 4  # the phrase copied, the distinct tokens not
+    drafter = [
+        {"prompt_tokens": len(p), "target_tokens": r, "accepted": [1] * sum(c)} for p, r, c in zip(ids, replies, copy)
+    ]
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps({"max_new_tokens": 40, "block_size": 8, "per_prompt": drafter}))
+    args = ["--drafter", str(report), "--prompts", str(prompts), "--target", str(tiny_target_dir)]
+    result = main(args)
+    assert result == split(drafter, [{"accepted": c} for c in copy], min_copy=4)
+    assert 0 < result["copyable_share"] < 0.5 and result["drafter_tau_copyable"] == 1.0
+
+    prompts.write_text(json.dumps({"prompt": "say it again and again"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(SystemExit, match="prompt 1: .* tokens with .*'s tokenizer, .* in the drafter report"):
+        main(args)
+    with pytest.raises(SystemExit):
+        main(["--drafter", str(report), "--target", str(tiny_target_dir)])  # no prompts: nothing to tokenize
+    assert "give --copy, or --target and --prompts" in capsys.readouterr().err

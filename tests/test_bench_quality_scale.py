@@ -328,13 +328,14 @@ def test_bundled_plans_parse_as_stage_options() -> None:
         assert deadlines == sorted(deadlines) and deadlines[-1] < 585, plan  # within the scale step's limit
 
 
-def scale_plan(tmp_path: Path, plan: str, started: int) -> subprocess.CompletedProcess:
+def scale_plan(tmp_path: Path, plan: str, started: int, **extra_env: str) -> subprocess.CompletedProcess:
     (tmp_path / "test.plan").write_text(plan)
     # python3: this one; bench/ importable from another folder, as gpu_session.sh's PYTHONPATH makes it
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": str(REPO),
+        **extra_env,
     }
     args = ["test.plan", "run", "prompts", "target", "report.json", str(started)]
     return subprocess.run(
@@ -359,6 +360,26 @@ def test_scale_plan_skips_a_line_past_its_deadline_and_still_reports(tmp_path: P
     assert done.returncode == 1
     assert done.stdout == "--- plan line 2: train --name x: skipped, its deadline (60 s) has passed\n"
     assert json.loads((tmp_path / "report.json").read_text())["runs"] == {}
+
+
+def test_scale_train_flags_reach_every_train_line_and_no_other(tmp_path: Path) -> None:
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "eval_domains.json").write_text("[]")
+    plan = "60 train --name x\n61 evaluate --temperature 0\n62 train --name y --steps 5\n"
+    done = scale_plan(tmp_path, plan, int(time.time()) - 120, SCALE_TRAIN_FLAGS="--compile-drafter")
+    assert done.returncode == 1
+    assert done.stdout.splitlines() == [
+        f"--- plan line {n}: {line}: skipped, its deadline ({n + 59} s) has passed"
+        for n, line in enumerate(
+            [
+                "train --name x --compile-drafter",
+                "evaluate --temperature 0",
+                "train --name y --steps 5 --compile-drafter",
+            ],
+            start=1,
+        )
+    ]
+    assert parse(["train", "--out", "o", "--prompts", "p", "--name", "x", "--compile-drafter"]).compile_drafter
 
 
 def test_online_tau_splits_where_the_trainers_head_ends() -> None:

@@ -806,3 +806,63 @@ def test_layer_types_window_and_causality_train_and_are_saved_where_the_referenc
         result = train(tmp_path / "refused", *extra)
         assert result.exit_code == 2 and message in result.output, result.output
         assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_compiled_drafter_trains_as_the_eager_one_with_one_graph(store_dir, tmp_path, arch):
+    """`--compile-drafter`: the same losses, gradient norms and saved drafter as the eager step up to
+    float reassociation, from one compiled graph of the drafter and one of the loss's chunks for every
+    step (no recompile per batch or row count); held-out evaluation stays eager."""
+    from dflash_pipeline.shared.model.attention import CompileCounter
+    from dflash_pipeline.shared.model.drafter import DFlashDrafter
+
+    make = dflash2_config if arch == "dflash2" else base_config
+    runs = {}
+    for compiled in (False, True):
+        out = tmp_path / f"compiled_{compiled}"
+        torch._dynamo.reset()
+        with CompileCounter() as counter:
+            run_training(replace(make(store_dir, out), max_steps=6, eval_every=3, compile_drafter=compiled))
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "loss" in r]
+        runs[compiled] = (counter.count, steps, DFlashDrafter.from_pretrained(out / "drafter").state_dict())
+    (eager_graphs, eager, eager_weights), (graphs, steps, weights) = runs[False], runs[True]
+    assert eager_graphs == 0 and graphs == 2  # the drafter's graph and the loss chunk's
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in steps], [r["loss"] for r in eager], rtol=1e-4)
+    np.testing.assert_allclose([r["grad_norm"] for r in steps], [r["grad_norm"] for r in eager], rtol=1e-3)
+    assert weights.keys() == eager_weights.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(value, eager_weights[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_drafter_under_ddp_trains_as_one_eager_process(store_dir, tmp_path, monkeypatch, capfd):
+    """`--compile-drafter --workers 2` (gloo; DDP's compiled graph split at its gradient buckets) trains
+    the steps one eager process trains with both ranks' packs: the same losses and weights up to float
+    reassociation."""
+    from safetensors.torch import load_file
+
+    common = dict(max_steps=4, eval_every=4, checkpoint_every=4, eval_samples=8)
+    ddp = replace(base_config(store_dir, tmp_path / "ddp"), workers=2, compile_drafter=True, **common)
+    single = replace(base_config(store_dir, tmp_path / "single"), packs_per_step=2, **common)
+    monkeypatch.setenv("TORCH_LOGS", "graph_code")  # read by each rank's torch at import: what it compiled
+    run_training(ddp)
+    compiled = capfd.readouterr().err
+    run_training(single)
+    assert compiled.count("TRACED GRAPH") >= 2  # each rank compiled the drafter's forward
+    got, want = (
+        [
+            r
+            for r in (json.loads(line) for line in (Path(c.out) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        ]
+        for c in (ddp, single)
+    )
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-4)
+    weights = [load_file(Path(c.out) / "drafter" / "model.safetensors") for c in (ddp, single)]
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][name], rtol=1e-3, atol=1e-5, msg=name)

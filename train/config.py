@@ -116,6 +116,13 @@ class TrainConfig:
         "w = --kl-weight. Same position weights; DFlash-2: the draft term only.",
     )
     kl_weight: float = option(0.5, range=(0, 1), help="--loss mix: the weight w of the KL term.")
+    # how the step runs (appended last, as above)
+    compile_drafter: bool = option(
+        False,
+        help="Compile the drafter's training forward and backward as one graph (attention inside it) "
+        "and the loss's chunks: fewer, fused kernels for a step whose small drafter leaves the GPU "
+        "waiting on the host.",
+    )
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -324,6 +324,8 @@ class Trainer:
             if self.world > 1
             else self.model
         )
+        if cfg.compile_drafter:  # the training forward only: evaluation's shapes differ and stay eager
+            ddp = torch.compile(ddp, dynamic=False)
         bar = progress_bar(
             total=self.total_steps, initial=state.step, desc="train", unit="step", disable=self.rank != 0
         )
@@ -357,7 +359,13 @@ class Trainer:
         self.model.train()
         with self.autocast():
             loss_sum, weight, stats = pack_loss(
-                ddp, self.head, batch, self.gamma, self.cfg.selector_loss_weight, self.kl_weight
+                ddp,
+                self.head,
+                batch,
+                self.gamma,
+                self.cfg.selector_loss_weight,
+                self.kl_weight,
+                self.cfg.compile_drafter,
             )
         (global_weight,) = all_sum([float(weight)], self.device)
         loss = loss_sum * (self.world / max(global_weight, 1e-12))

@@ -77,6 +77,7 @@ def pack_loss(
     gamma: float,
     selector_loss_weight: float = 1.0,
     kl_weight: float = 0.0,
+    compiled: bool = False,
 ):
     """Weighted CE of a batch: (sum of w*ce, sum of w, per-position stats incl. predictions); for a
     DFlash-2 drafter the CE plus `selector_loss_weight` times its selector's loss (`selector_loss`).
@@ -84,6 +85,7 @@ def pack_loss(
     `target_topk_logprobs`): the draft CE becomes `(1 - kl_weight) * ce + kl_weight * kl` against the
     target's stored top-K distribution (for DFlash-2 only its draft term; the selector's stays).
 
+    `compiled`: the loss's chunks run compiled (`dflash-train --compile-drafter`, which also compiles `model`).
     The sum (not the mean) is returned so the caller can normalise by the weight of all ranks.
     `stats["pred"]` is the LM head's argmax in both cases (not the selector's choice).
     """
@@ -91,7 +93,7 @@ def pack_loss(
     cfg = core.config
     hidden = drafter_hidden(model, head, batch)
     lm_head = head.lm_head.to(hidden.dtype)
-    common = dict(output_multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping)
+    common = dict(output_multiplier=cfg.output_multiplier, softcap=cfg.final_logit_softcapping, compiled=compiled)
     if kl_weight > 0:
         if "target_topk_ids" not in batch:
             raise ValueError("a kl/mix loss needs batches with the target's top-k (PackSpec.topk)")

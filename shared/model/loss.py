@@ -127,6 +127,19 @@ def _chunk_loss(
     return (ce * weights).sum(), logits.argmax(dim=-1)
 
 
+_compiled_chunks: dict = {}
+
+
+def _chunk_fn(fn, compiled: bool):
+    """`fn`, or `torch.compile(fn, dynamic=True)` made once per process: the rows of a chunk vary with
+    the batch's labels, so one graph serves every row count (fused casts, log-softmax and argmax)."""
+    if not compiled:
+        return fn
+    if fn not in _compiled_chunks:
+        _compiled_chunks[fn] = torch.compile(fn, dynamic=True)
+    return _compiled_chunks[fn]
+
+
 def _target_rows(target_topk, rows: torch.Tensor, labels_shape) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The labeled rows' stored top-K (ids, log-probs), each [b, Q, K] aligned with the labels."""
     if target_topk is None:
@@ -150,6 +163,7 @@ def dflash_loss(
     chunk_tokens: int = 2048,
     target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     kl_weight: float = 1.0,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Position-weighted CE `sum(ce * w_k) / sum(w_k)` over labeled block positions.
 
@@ -161,6 +175,7 @@ def dflash_loss(
     Only labeled rows get logits, `chunk_tokens` rows at a time; each chunk runs under activation
     checkpointing, so its fp32 [chunk, vocab] logits are freed after forward and recomputed in
     backward: peak memory is one chunk's logits, never [Q, vocab]. The LM head is frozen (no grad).
+    `compiled`: each chunk runs compiled (`_chunk_fn`), the same sums to float rounding.
 
     stats: `correct` / `total` LongTensor[B] (per block position; k = 0 always 0), `pred`
     LongTensor like `labels` with argmax predictions at labeled positions and -1 elsewhere, and
@@ -178,7 +193,7 @@ def dflash_loss(
     for start in range(0, len(rows), chunk_tokens):
         part = slice(start, start + chunk_tokens)
         ce_sum, pred = checkpoint(
-            _chunk_loss,
+            _chunk_fn(_chunk_loss, compiled),
             row_hidden[part],
             row_labels[part],
             row_weights[part],
@@ -285,6 +300,7 @@ def selector_loss(
     chunk_tokens: int = 2048,
     target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     kl_weight: float = 1.0,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DFlash-2 objective `(sum(w_k * ce) + selector_loss_weight * sum(w_k * sel)) / sum(w_k)`.
 
@@ -303,7 +319,7 @@ def selector_loss(
     teacher-forced predecessor, which along an accepted run is the token it drafts at inference, so
     the acceptance counted from it is the selector's. `target_topk` / `kl_weight` replace the draft
     CE term only, as in `dflash_loss` (`draft_term`); the selector's term always learns to pick the
-    stored token among the candidates (stats `ce` is then that draft term).
+    stored token among the candidates (stats `ce` is then that draft term). `compiled` as in `dflash_loss`.
     """
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight must be frozen (requires_grad=False)")
@@ -328,7 +344,7 @@ def selector_loss(
     for start in range(0, len(rows), chunk_tokens):
         part = slice(start, start + chunk_tokens)
         ce_sum, selector_sum, pred = checkpoint(
-            _chunk_selector_loss,
+            _chunk_fn(_chunk_selector_loss, compiled),
             row_hidden[part],
             row_labels[part],
             predecessors[part],
