@@ -17,6 +17,7 @@ trainer's own `Trainer.train_step` is timed on the same batch (its host reads of
 norm and counts wait for the GPU every step), and `--profile-step` compares its wall time with the
 GPU's busy time under torch.profiler. `--compile-drafter` adds the same step and the trainer's step with
 the drafter compiled as one graph (`dflash-train --compile-drafter`); `--arch dflash2` times DFlash-2's.
+`--count-ops` (any machine) only counts the operators one eager step dispatches.
 
     python -m bench.train --scratch /tmp/bench_train --json result.json
     python -m bench.train --scratch /tmp/bench_train --store-dtype bfloat16 --store-dtype float8_e4m3fn
@@ -188,6 +189,33 @@ def profile_trainer_step(model, head, batch, gamma: float, top: int = 15, compil
 
 
 LAYER_IDS = [1, 9, 17, 25, 33]
+
+
+def count_step_ops(cfg: DFlashConfig, blocks: int) -> dict[str, int]:
+    """Aten operators of one eager training step on the CPU after a warm-up step: the top-level ones
+    (what eager mode dispatches one by one, each a kernel launch or more on a GPU) and all of them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = DFlashDrafter(cfg, attention_backend="sdpa_dense")
+    head = TargetHead(
+        torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02, torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
+    )
+    batch = synthetic_batch(cfg.context_width, cfg.vocab_size, blocks=blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss_sum, weight, _ = pack_loss(model, head, batch, default_gamma(B))
+        (loss_sum / weight).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return {"top_level_aten_ops": len(top), "aten_ops": len(aten)}
 
 
 def smollm2_135m_config():
@@ -497,6 +525,12 @@ def main() -> None:
         help="also the step and the trainer's step with the drafter compiled as one graph (dflash-train "
         "--compile-drafter), beside the eager drafter with compiled flex",
     )
+    ap.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="only count the aten operators one eager training step dispatches, on the CPU (SDPA, foreach "
+        "AdamW): what a host-bound GPU step pays per operator",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--loader-workers", type=int, default=8)
     ap.add_argument("--loader-steps", type=int, default=150, help="timed batches per loader run")
@@ -531,6 +565,9 @@ def main() -> None:
         block_size=B,
         **dflash2_settings(train_defaults, target),
     )
+    if args.count_ops:
+        emit({"arch": args.arch, "shape": args.shape, **count_step_ops(cfg, args.num_blocks)}, args.json)
+        return
     if not torch.cuda.is_available():
         if not args.loader_only:
             ap.error("without CUDA only --loader-only runs (the loader into CPU memory)")

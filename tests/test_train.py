@@ -594,7 +594,7 @@ def test_dflash2_options_are_checked():
         256,
         16,
     )
-    assert base.selector_loss_weight == 1.0 and list(base.to_dict())[-11:] == [
+    assert base.selector_loss_weight == 1.0 and list(base.to_dict())[-12:] == [
         "arch",
         "conv_kernel_size",
         "conv_group_size",
@@ -606,6 +606,7 @@ def test_dflash2_options_are_checked():
         "is_causal",
         "loss",  # the draft loss (issue 19), appended after
         "kl_weight",
+        "compile_drafter",  # how the step runs, appended after
     ]
     for bad, option in [
         (dict(arch="dflash3"), "--arch"),
