@@ -82,9 +82,10 @@ def test_compiled_flex_forward_backward_equals_dense(dtype):
         assert fe < limit, (name, fe, be)
 
 
-def drafter_and_batch(seed: int):
+def drafter_and_batch(seed: int, **config):
     torch.manual_seed(0)
     cfg = DFlashConfig(
+        **config,
         hidden_size=1024,
         intermediate_size=2816,
         num_attention_heads=16,
@@ -109,7 +110,9 @@ def drafter_and_batch(seed: int):
     return model, layout, batch
 
 
-def drafter_step(model, layout, batch, backend, autocast=False):
+def drafter_step(model, layout, batch, backend, autocast=False, run=None):
+    """Output and gradients of one forward/backward; `run`: what to call instead of `model` (its
+    compiled form)."""
     args = mask_args(layout)
     model.attention_backend = backend
     mask = (
@@ -119,7 +122,7 @@ def drafter_step(model, layout, batch, backend, autocast=False):
     )
     model.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        out = model(batch["ctx"], batch["emb"], batch["pos"], batch["block_positions"], mask)
+        out = (run or model)(batch["ctx"], batch["emb"], batch["pos"], batch["block_positions"], mask)
     probe = torch.randn(out.shape, device=out.device, generator=torch.Generator(device=out.device).manual_seed(5))
     (out.float() * probe).sum().backward()  # (a norm-invariant loss like mean(out**2) has ~0 gradient)
     return out.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
@@ -146,6 +149,30 @@ def test_no_recompiles_across_steps_with_new_anchors():
         counts.append(counter.count)
     print(f"\ngraphs compiled per step: {counts}")
     assert counts[1:] == [0, 0, 0], counts
+
+
+DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=64, selector_top_k=8)
+
+
+@pytest.mark.parametrize("config", [{}, DFLASH2], ids=["dflash", "dflash2"])
+def test_drafter_compiled_as_one_graph_equals_eager_and_never_recompiles(config):
+    """`dflash-train --compile-drafter`: the whole drafter compiled, compiled flex inside, against the
+    eager drafter calling compiled flex; one graph for steps with new anchors and documents."""
+    model, layout, batch = drafter_and_batch(4, **config)
+    compiled = torch.compile(model, dynamic=False)
+    for autocast, limit in ((False, 1e-3), (True, 5e-2)):
+        out_ref, g_ref = drafter_step(model, layout, batch, "flex_compiled", autocast=autocast)
+        out, g = drafter_step(model, layout, batch, "flex_compiled", autocast=autocast, run=compiled)
+        errs = {"out": rel(out, out_ref), **{n: rel(g[n], g_ref[n]) for n in g}}
+        worst = max(errs, key=errs.get)
+        print(f"\nautocast={autocast}: worst relative error {worst} {errs[worst]:.2e}, out {errs['out']:.2e}")
+        assert all(e < limit for e in errs.values()), errs
+    counts = []
+    for step in range(3):
+        with A.CompileCounter() as counter:
+            drafter_step(model, pack_layout(20 + step), batch, "flex_compiled", autocast=True, run=compiled)
+        counts.append(counter.count)
+    assert counts == [0, 0, 0], counts
 
 
 def test_calibrate_kernel_options_runs_forward_and_backward():
