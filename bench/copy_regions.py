@@ -84,12 +84,12 @@ def copy_rows_on_replies(report: dict, target: str, prompts_file: str) -> list[d
     from bench.ngram_baseline import copy_accepted
     from dflash_pipeline.data.chat import stop_token_ids
     from dflash_pipeline.shared.target.assets import load_tokenizer
-    from dflash_pipeline.train.eval_cli import prompts_from
+    from dflash_pipeline.train.eval_cli import EvalConfig, prompts_from
 
     tokenizer = load_tokenizer(target)
     stops = stop_token_ids(tokenizer, GenerationConfig.from_pretrained(target).eos_token_id)
     rows = report["per_prompt"]
-    prompts = prompts_from(prompts_file, tokenizer, len(rows), 1024)
+    prompts = prompts_from(prompts_file, tokenizer, len(rows), EvalConfig.max_prompt_tokens)
     if len(prompts) != len(rows):
         raise ValueError(f"{prompts_file} has {len(prompts)} prompts, the drafter report {len(rows)}")
     copy = []

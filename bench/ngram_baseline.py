@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     from dflash_pipeline.shared.target.assets import load_tokenizer
     from dflash_pipeline.shared.target.loading import load_full_target
     from dflash_pipeline.train.chain_tau import greedy_replies
-    from dflash_pipeline.train.eval_cli import prompts_from, taus
+    from dflash_pipeline.train.eval_cli import EvalConfig, prompts_from, taus
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = load_full_target(args.target, device=torch.device(args.device), dtype=getattr(torch, args.dtype))
     tokenizer = load_tokenizer(args.target)
     stops = stop_token_ids(tokenizer, target.generation_config.eos_token_id)
-    prompts = prompts_from(args.prompts, tokenizer, args.limit, 1024)
+    prompts = prompts_from(args.prompts, tokenizer, args.limit, EvalConfig.max_prompt_tokens)
     replies = greedy_replies(target, prompts, args.max_new_tokens, stops)
     result = {
         "target": args.target,
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
         "ngram": [args.min_ngram, args.max_ngram],
         "windows": {},
     }
+    ngram = (args.min_ngram, args.max_ngram)
     for n in sorted({args.max_new_tokens, *args.windows}, reverse=True):
-        ngram = (args.min_ngram, args.max_ngram)
         accepted = [copy_accepted(p, r, n, args.block_size, stops, ngram) for p, r in zip(prompts, replies)]
         result["windows"][str(n)] = taus(accepted)
         if n == args.max_new_tokens:

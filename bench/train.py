@@ -51,7 +51,7 @@ from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan
 from dflash_pipeline.train.loop import dflash2_settings
-from dflash_pipeline.train.step import pack_loss, to_device
+from dflash_pipeline.train.step import compiled_drafter, pack_loss, to_device
 
 S, N, B = 4096, 256, 16
 
@@ -95,7 +95,7 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int, compi
     as one graph, as `dflash-train --compile-drafter` runs it."""
     model.attention_backend = backend
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    step_model = torch.compile(model, dynamic=False) if compiled else model
+    step_model = compiled_drafter(model) if compiled else model
 
     def one():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -143,7 +143,7 @@ def trainer_step(model, head, gamma: float, device: torch.device, compiled: bool
         out=None,
         autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16),
     )
-    step_model = torch.compile(model, dynamic=False) if compiled else model
+    step_model = compiled_drafter(model) if compiled else model
     return lambda batch: Trainer.train_step(trainer, step_model, batch)
 
 

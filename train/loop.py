@@ -59,7 +59,14 @@ from dflash_pipeline.train.setup import (
     store_identity,
     validate_store,
 )
-from dflash_pipeline.train.step import block_acceptance, kl_share, loss_term_sums, pack_loss, to_device
+from dflash_pipeline.train.step import (
+    block_acceptance,
+    compiled_drafter,
+    kl_share,
+    loss_term_sums,
+    pack_loss,
+    to_device,
+)
 
 # Held-out packs and their anchors are drawn with this "epoch", apart from every training epoch.
 EVAL_EPOCH = 2**31 - 1
@@ -325,7 +332,7 @@ class Trainer:
             else self.model
         )
         if cfg.compile_drafter:  # the training forward only: evaluation's shapes differ and stay eager
-            ddp = torch.compile(ddp, dynamic=False)
+            ddp = compiled_drafter(ddp)
         bar = progress_bar(
             total=self.total_steps, initial=state.step, desc="train", unit="step", disable=self.rank != 0
         )

@@ -41,6 +41,13 @@ def attention_masks(batch: dict[str, torch.Tensor], config: DFlashConfig, backen
     return masks
 
 
+def compiled_drafter(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (the drafter, or DDP around it) compiled as one graph for `dflash-train --compile-drafter`:
+    static shapes, since every training pack has the same tokens and blocks; `pack_loss(compiled=True)`
+    compiles the loss beside it."""
+    return torch.compile(model, dynamic=False)
+
+
 def drafter_hidden(model, head: TargetHead, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Drafter output states [b, N*B, H] for the blocks of a batch; the masks are built for the attention
     backend the drafter carries (set once, where the drafter is built)."""

@@ -12,6 +12,7 @@ from dflash_pipeline.shared.model import attention as A
 from dflash_pipeline.shared.model.blocks import build_blocks, sample_anchors
 from dflash_pipeline.shared.model.config import DFlashConfig
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
+from dflash_pipeline.train.step import compiled_drafter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -159,7 +160,7 @@ def test_drafter_compiled_as_one_graph_equals_eager_and_never_recompiles(config)
     """`dflash-train --compile-drafter`: the whole drafter compiled, compiled flex inside, against the
     eager drafter calling compiled flex; one graph for steps with new anchors and documents."""
     model, layout, batch = drafter_and_batch(4, **config)
-    compiled = torch.compile(model, dynamic=False)
+    compiled = compiled_drafter(model)
     for autocast, limit in ((False, 1e-3), (True, 5e-2)):
         out_ref, g_ref = drafter_step(model, layout, batch, "flex_compiled", autocast=autocast)
         out, g = drafter_step(model, layout, batch, "flex_compiled", autocast=autocast, run=compiled)
