@@ -37,6 +37,7 @@ training tokens); the online tau and speedup come from `dflash-eval` on the held
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import lzma
 import re
@@ -150,12 +151,15 @@ def train_data(prompts: Path, out: Path) -> Path:
 
 
 def timed(record: Path, name: str, fn) -> None:
-    """Run a stage and record its wall seconds in `record` (a JSON dict of stage -> seconds)."""
+    """Run a stage and record its wall seconds in `record` (a JSON dict of stage -> seconds), under a
+    lock: stages of a plan's background lines end beside each other (bench/scale_plan.sh)."""
     t = time.perf_counter()
     fn()
-    times = json.loads(record.read_text()) if record.exists() else {}
-    times[name] = times.get(name, 0.0) + time.perf_counter() - t
-    record.write_text(json.dumps(times, indent=1))
+    with open(record.with_name(record.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        times = json.loads(record.read_text()) if record.exists() else {}
+        times[name] = times.get(name, 0.0) + time.perf_counter() - t
+        record.write_text(json.dumps(times, indent=1))
 
 
 CLI = [sys.executable, "-m"]

@@ -8,6 +8,9 @@
 # deadline; a line with 5 s or less left is skipped. Every line gets `--out RUN --prompts PROMPTS`,
 # regenerate, evaluate and ngram also `--target TARGET`; after each line `report` rewrites JSON. Every line is
 # checked before any runs (exit 2 on a bad one); exit 1 if a line failed, was cut or was skipped.
+# A line ending in `&` runs in the background, beside the lines after it up to the next line without `&`;
+# when that one ends, the plan waits for the background lines (each still under its own deadline) before
+# `report`: two drafters train at once on one GPU whose steps leave it idle between kernels.
 # SCALE_TRAIN_FLAGS in the environment (e.g. --compile-drafter) is appended to every train line.
 #   bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]
 set -u
@@ -27,23 +30,44 @@ while IFS= read -r line || [ -n "$line" ]; do
   lines+=("$n $line")
 done < "$plan"
 
+# one line under its deadline: its exit status, and what became of it said on stdout
+run_line() {
+  local n=$1 left=$2 stage=$3 args=$4 rc
+  # shellcheck disable=SC2086 # ARGS split on whitespace, as documented
+  timeout "$left" "${qs[@]}" "$stage" "${where[@]}" $args
+  rc=$?
+  [ $rc -eq 124 ] && printf '\n--- plan line %s: cut at its deadline\n' "$n" || echo "--- plan line $n: rc=$rc"
+  return $rc
+}
+
 status=0
+background=()  # pids of the lines running beside the current one
 for entry in "${lines[@]}"; do
   read -r n deadline stage args <<< "$entry"
+  beside=false
+  if [[ " $args" == *" &" ]]; then beside=true args=${args%&} args=${args% }; fi
   left=$((deadline - ($(date +%s) - started)))
   where=(--out "$run" --prompts "$prompts")
   [ "$stage" = train ] && args="$args${SCALE_TRAIN_FLAGS:+ $SCALE_TRAIN_FLAGS}" || where+=(--target "$target")
   if [ $left -le 5 ]; then
     echo "--- plan line $n: $stage $args: skipped, its deadline ($deadline s) has passed"
     status=1
+    $beside && continue
+  elif $beside; then
+    echo "--- plan line $n: $stage $args (until $deadline s: $left s left), in the background"
+    run_line "$n" "$left" "$stage" "$args" &
+    background+=($!)
+    continue
   else
     echo "--- plan line $n: $stage $args (until $deadline s: $left s left)"
-    # shellcheck disable=SC2086 # ARGS split on whitespace, as documented
-    timeout "$left" "${qs[@]}" "$stage" "${where[@]}" $args
-    rc=$?
-    [ $rc -eq 124 ] && printf '\n--- plan line %s: cut at its deadline\n' "$n" || echo "--- plan line $n: rc=$rc"
-    [ $rc -eq 0 ] || status=1
+    run_line "$n" "$left" "$stage" "$args" || status=1
   fi
+  for pid in "${background[@]}"; do wait "$pid" || status=1; done
+  background=()
   "${qs[@]}" report --out "$run" --prompts "$prompts" --json "$json" > /dev/null || status=1
 done
+if [ ${#background[@]} -gt 0 ]; then  # the plan ended on background lines
+  for pid in "${background[@]}"; do wait "$pid" || status=1; done
+  "${qs[@]}" report --out "$run" --prompts "$prompts" --json "$json" > /dev/null || status=1
+fi
 exit $status

@@ -311,8 +311,9 @@ def test_tokens_per_step_count_every_process(tmp_path: Path) -> None:
 
 
 def plan_lines(plan: Path) -> list[list[str]]:
-    """A plan's lines to run, split as bench/scale_plan.sh splits them."""
-    return [line.split() for line in plan.read_text().splitlines() if line.split() and not line.startswith("#")]
+    """A plan's lines to run, split as bench/scale_plan.sh splits them (a last `&` runs it beside the next)."""
+    lines = [line.split() for line in plan.read_text().splitlines() if line.split() and not line.startswith("#")]
+    return [words[:-1] if words[-1] == "&" else words for words in lines]
 
 
 def test_bundled_plans_parse_as_stage_options() -> None:
@@ -380,6 +381,40 @@ def test_scale_train_flags_reach_every_train_line_and_no_other(tmp_path: Path) -
         )
     ]
     assert parse(["train", "--out", "o", "--prompts", "p", "--name", "x", "--compile-drafter"]).compile_drafter
+
+
+STAGE_STAND_IN = """#!/usr/bin/env bash
+# python3 for scale_plan.sh: a stage (-m bench.quality_scale STAGE --out RUN ... --name NAME) logs its start
+# and end around a second's sleep (two for NAME=slow) and fails for NAME=bad; report is logged; anything
+# else is the real python
+log=$PWD/stages.log
+if [ "$3" = report ]; then echo "report $(date +%s.%N)" >> $log; exit 0; fi
+if [ "$1" = -m ] && [ "$2" = bench.quality_scale ]; then
+  name=${@: -1}
+  echo "start $name $(date +%s.%N)" >> $log; sleep 1; [ "$name" = slow ] && sleep 1; echo "end $name $(date +%s.%N)" >> $log
+  [ "$name" != bad ]; exit $?
+fi
+exec REAL "$@"
+"""
+
+
+def test_scale_plan_runs_a_line_ending_in_ampersand_beside_the_next_and_waits_for_it(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(STAGE_STAND_IN.replace("REAL", sys.executable))
+    (bin_dir / "python3").chmod(0o755)
+    plan = "60 train --name slow &\n60 train --name b\n70 train --name c\n80 train --name bad &\n"
+    done = scale_plan(tmp_path, plan, int(time.time()), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert done.returncode == 1, done.stdout + done.stderr  # the failed background line counts
+    assert "--- plan line 1: train --name slow (until 60 s: " in done.stdout
+    assert done.stdout.count("in the background") == 2
+    log = [line.split() for line in (tmp_path / "stages.log").read_text().splitlines()]
+    at = {tuple(words[:-1]): float(words[-1]) for words in log if words[0] != "report"}
+    reports = [float(words[1]) for words in log if words[0] == "report"]
+    assert len(reports) == 3 and log[-1][0] == "report"  # after lines 1-2, line 3, and line 4 at the end
+    assert at[("start", "b")] < at[("end", "slow")]  # slow beside b
+    assert at[("end", "slow")] <= reports[0] <= at[("start", "c")]  # and waited for though b ended first
+    assert reports[1] <= at[("start", "bad")] and at[("end", "bad")] <= reports[2]
 
 
 def test_online_tau_splits_where_the_trainers_head_ends() -> None:
