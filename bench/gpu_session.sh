@@ -10,7 +10,7 @@
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
 # runs the bench). Call 2 must follow within the machine's 30 s warm time. QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS, ATTN_ARGS ("--steps 1000 ...") append flags to those steps;
 # GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py); SMOKE_ARCH=dflash2 smokes
-# the DFlash-2 drafter; SCALE_PLAN names the plan of the scale step (a file of bench/quality_scale.py stages
+# the DFlash-2 drafter, SMOKE_TRAIN_FLAGS (e.g. --compile-drafter) go to its dflash-train; SCALE_PLAN names the plan of the scale step (a file of bench/quality_scale.py stages
 # with deadlines, relative to the checkout; format in bench/scale_plan.sh; default bench/plans/scale_dflash_dflash2.plan;
 # SCALE_TRAIN_FLAGS, e.g. --compile-drafter, is appended to each of its train lines);
 # PACK_REPLIES=NAME makes the scale step end by packing store NAME's replies into $OUT/replies_NAME.tar.xz
@@ -70,7 +70,7 @@ for s in $steps; do
       python3 -c "import sys; from dflash_pipeline.data.tiny_target import build_tiny_target as b; b(sys.argv[1], num_layers=6, hidden=128)" $d/target
       dflash-extract --target $d/target --data data/sample/conversations.jsonl --out $d/store --gpus 0 --max-length 512 --regenerate --max-new-tokens 64 --limit 128
       dflash-train --store $d/store --out $d/train --gpus 0 --arch ${SMOKE_ARCH:-dflash} --num-layers 2 --block-size 8 \
-        --pack-tokens 2048 --num-blocks 128 --max-steps 60 --eval-every 30 --checkpoint-every 30 --lr 2e-3 --eval-samples 16
+        --pack-tokens 2048 --num-blocks 128 --max-steps 60 --eval-every 30 --checkpoint-every 30 --lr 2e-3 --eval-samples 16 ${SMOKE_TRAIN_FLAGS:-}
       dflash-eval --target $d/target --drafter $d/train/drafter --prompts data/sample/conversations.jsonl \
         --limit 8 --max-new-tokens 64 --device cuda --dtype float32 --json '"$OUT"'/smoke_eval.json
       tail -n 3 $d/train/metrics.jsonl' ;;
