@@ -839,6 +839,36 @@ def test_compiled_drafter_trains_as_the_eager_one_with_one_graph(store_dir, tmp_
 
 
 @pytest.mark.slow
+def test_compiled_run_cut_and_resumed_ends_as_the_uninterrupted_one(store_dir, tmp_path):
+    """A `--compile-drafter` run cut after its step-2 checkpoint and resumed (compiling again in the new
+    process) ends as the uninterrupted compiled run did: the same logged steps and saved drafter."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=4, checkpoint_every=2, eval_every=2)
+    cfg = replace(cfg, compile_drafter=True)
+    torch._dynamo.reset()
+    run_training(cfg)
+    crashed = tmp_path / "b"
+    shutil.copytree(cfg.out, crashed)
+    shutil.rmtree(crashed / "drafter")
+    shutil.rmtree(crashed / "checkpoints" / "step-00000004")
+    (crashed / "checkpoints" / "latest").write_text("step-00000002")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines()
+    (crashed / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
+    torch._dynamo.reset()
+    run_training(replace(cfg, out=str(crashed), resume=True))
+    got, want = losses(crashed), losses(Path(cfg.out))
+    assert list(got) == list(want) == [1, 2, 3, 4]
+    np.testing.assert_allclose(list(got.values()), list(want.values()), rtol=1e-6)
+    weights = [load_file(run / "drafter" / "model.safetensors") for run in (crashed, Path(cfg.out))]
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
 def test_compiled_drafter_under_ddp_trains_as_one_eager_process(store_dir, tmp_path, monkeypatch, capfd):
     """`--compile-drafter --workers 2` (gloo; DDP's compiled graph split at its gradient buckets) trains
     the steps one eager process trains with both ranks' packs: the same losses and weights up to float
