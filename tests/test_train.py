@@ -401,6 +401,21 @@ def global_rngs() -> tuple:
     return torch.get_rng_state(), np.random.get_state(), random.getstate()
 
 
+def crashed_copy(run: Path, crashed: Path, last_checkpoint: int, final_step: int, logged_through: int) -> Path:
+    """A copy of finished `run` as a crash after its `last_checkpoint` leaves it: no final drafter, no
+    checkpoint of `final_step`, the metrics lines of steps up to `logged_through` only."""
+    import shutil
+
+    shutil.copytree(run, crashed)
+    shutil.rmtree(crashed / "drafter")
+    shutil.rmtree(crashed / "checkpoints" / f"step-{final_step:08d}")
+    (crashed / "checkpoints" / "latest").write_text(f"step-{last_checkpoint:08d}")
+    lines = (crashed / "metrics.jsonl").read_text().splitlines()
+    kept = [line for line in lines if json.loads(line)["step"] <= logged_through]
+    (crashed / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    return crashed
+
+
 def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkeypatch, capsys):
     """A crash after the step-4 checkpoint, while step 6's metrics line was being written: the resumed
     trainer holds exactly what was saved (drafter weights, every optimizer tensor, the LR schedule,
@@ -409,7 +424,6 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     from them (every random choice has its own seeded generator): scrambling them changes nothing."""
     import copy
     import random
-    import shutil
 
     from safetensors.torch import load_file
 
@@ -462,16 +476,11 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     for step, s in saved.items():  # training drew nothing from the global RNGs after the drafter's init
         assert_same_bits(s[4], after_init[0], f"global RNGs at step {step}")
 
-    crashed = tmp_path / "b"  # the run as a kill -9 after the step-4 checkpoint would leave it
-    shutil.copytree(cfg.out, crashed)
-    shutil.rmtree(crashed / "drafter")
-    shutil.rmtree(crashed / "checkpoints" / "step-00000006")
-    (crashed / "checkpoints" / "latest").write_text("step-00000004")
-    lines = (crashed / "metrics.jsonl").read_text().splitlines()
-    before_crash = [line for line in lines if json.loads(line)["step"] <= 5]
-    (crashed / "metrics.jsonl").write_text(
-        "".join(line + "\n" for line in before_crash) + '{"step": 6, "epoch": 0, "lo'
-    )
+    # the run as a kill -9 after the step-4 checkpoint would leave it, step 6's metrics line half-written
+    crashed = crashed_copy(Path(cfg.out), tmp_path / "b", last_checkpoint=4, final_step=6, logged_through=5)
+    before_crash = (crashed / "metrics.jsonl").read_text().splitlines()
+    with open(crashed / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 6, "epoch": 0, "lo')
     result = run_training(replace(cfg, out=str(crashed), resume=True))
 
     assert_same_bits(restored["all"], saved[4][:4], "restored")
@@ -680,19 +689,11 @@ def test_dflash2_training_reduces_loss_and_saves_the_reference_model(store_dir, 
 def test_dflash2_resume_continues_with_identical_losses(store_dir, tmp_path):
     """A DFlash-2 run cut after its step-2 checkpoint and resumed ends as the uninterrupted run did, to
     the bit; resuming it as --arch dflash is refused (the saved drafter is a DFlash-2 one)."""
-    import shutil
-
     from safetensors.torch import load_file
 
     cfg = dflash2_config(store_dir, tmp_path / "a", max_steps=4, checkpoint_every=2, eval_every=2)
     run_training(cfg)
-    crashed = tmp_path / "b"
-    shutil.copytree(cfg.out, crashed)
-    shutil.rmtree(crashed / "drafter")
-    shutil.rmtree(crashed / "checkpoints" / "step-00000004")
-    (crashed / "checkpoints" / "latest").write_text("step-00000002")
-    lines = (crashed / "metrics.jsonl").read_text().splitlines()
-    (crashed / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
+    crashed = crashed_copy(Path(cfg.out), tmp_path / "b", last_checkpoint=2, final_step=4, logged_through=2)
     with pytest.raises(TrainingError, match="drafter config differs"):
         run_training(replace(cfg, out=str(crashed), resume=True, arch="dflash"))
     run_training(replace(cfg, out=str(crashed), resume=True))
@@ -842,21 +843,13 @@ def test_compiled_drafter_trains_as_the_eager_one_with_one_graph(store_dir, tmp_
 def test_compiled_run_cut_and_resumed_ends_as_the_uninterrupted_one(store_dir, tmp_path):
     """A `--compile-drafter` run cut after its step-2 checkpoint and resumed (compiling again in the new
     process) ends as the uninterrupted compiled run did: the same logged steps and saved drafter."""
-    import shutil
-
     from safetensors.torch import load_file
 
     cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=4, checkpoint_every=2, eval_every=2)
     cfg = replace(cfg, compile_drafter=True)
     torch._dynamo.reset()
     run_training(cfg)
-    crashed = tmp_path / "b"
-    shutil.copytree(cfg.out, crashed)
-    shutil.rmtree(crashed / "drafter")
-    shutil.rmtree(crashed / "checkpoints" / "step-00000004")
-    (crashed / "checkpoints" / "latest").write_text("step-00000002")
-    lines = (crashed / "metrics.jsonl").read_text().splitlines()
-    (crashed / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
+    crashed = crashed_copy(Path(cfg.out), tmp_path / "b", last_checkpoint=2, final_step=4, logged_through=2)
     torch._dynamo.reset()
     run_training(replace(cfg, out=str(crashed), resume=True))
     got, want = losses(crashed), losses(Path(cfg.out))
