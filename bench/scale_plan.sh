@@ -42,6 +42,12 @@ run_line() {
 
 status=0
 background=()  # pids of the lines running beside the current one
+# the background lines waited for, then the report rewritten
+wait_and_report() {
+  for pid in "${background[@]}"; do wait "$pid" || status=1; done
+  background=()
+  "${qs[@]}" report --out "$run" --prompts "$prompts" --json "$json" > /dev/null || status=1
+}
 for entry in "${lines[@]}"; do
   read -r n deadline stage args <<< "$entry"
   beside=false
@@ -62,12 +68,7 @@ for entry in "${lines[@]}"; do
     echo "--- plan line $n: $stage $args (until $deadline s: $left s left)"
     run_line "$n" "$left" "$stage" "$args" || status=1
   fi
-  for pid in "${background[@]}"; do wait "$pid" || status=1; done
-  background=()
-  "${qs[@]}" report --out "$run" --prompts "$prompts" --json "$json" > /dev/null || status=1
+  wait_and_report
 done
-if [ ${#background[@]} -gt 0 ]; then  # the plan ended on background lines
-  for pid in "${background[@]}"; do wait "$pid" || status=1; done
-  "${qs[@]}" report --out "$run" --prompts "$prompts" --json "$json" > /dev/null || status=1
-fi
+[ ${#background[@]} -eq 0 ] || wait_and_report  # the plan ended on background lines
 exit $status
