@@ -29,7 +29,6 @@ the drafter compiled as one graph (`dflash-train --compile-drafter`); `--arch df
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench import emit
+from bench import emit, keep
 from bench.extract import matmul_tflops, qwen3_8b_config
 from dflash_pipeline.shared.model.config import DFlashConfig
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
@@ -622,7 +621,7 @@ def main() -> None:
             "graphs_compiled": counter.count,
         }
         torch.cuda.empty_cache()
-        keep_partial(result, args.json)
+        keep(result, args.json)
     fc = result.get("flex_compiled", {}).get("step_s")
     if fc and not args.loader_only:  # the trainer's own step on the same batch: its host reads included
         model.attention_backend = "flex_compiled"
@@ -634,7 +633,7 @@ def main() -> None:
         }
         if args.profile_step:
             result["trainer_step"]["profile"] = profile_trainer_step(model, head, batch, gamma)
-        keep_partial(result, args.json)
+        keep(result, args.json)
         if args.compile_drafter:
             sec_compiled = time_trainer_steps(model, head, batch, gamma, args.steps, compiled=True)
             result["trainer_step_compiled"] = {
@@ -655,13 +654,6 @@ def main() -> None:
     if not args.skip_loader:
         result["loader"] = run_loaders(args, cfg, dtypes, step_s)
     emit(result, args.json)
-
-
-def keep_partial(result: dict, json_path: str | None) -> None:
-    """What is measured so far, in `json_path`: a call cut by the lent machine's limit still returns it
-    (`emit` rewrites it whole at the end)."""
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1))
 
 
 def stored_batch(batch: dict[str, torch.Tensor], hidden_dtype: str) -> dict[str, torch.Tensor]:
