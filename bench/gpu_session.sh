@@ -10,9 +10,9 @@
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
 # runs the bench). Call 2 must follow within the machine's 30 s warm time. QUALITY_ARGS, TRAIN_ARGS, EXTRACT_ARGS, REGEN_ARGS, ATTN_ARGS ("--steps 1000 ...") append flags to those steps;
 # GPU_TESTS narrows the tests step (default: tests/gpu tests/test_speculative.py); SMOKE_ARCH=dflash2 smokes
-# the DFlash-2 drafter, SMOKE_TRAIN_FLAGS (e.g. --compile-drafter) go to its dflash-train; SCALE_PLAN names the plan of the scale step (a file of bench/quality_scale.py stages
+# the DFlash-2 drafter, SMOKE_TRAIN_FLAGS (e.g. --no-compile-drafter) go to its dflash-train; SCALE_PLAN names the plan of the scale step (a file of bench/quality_scale.py stages
 # with deadlines, relative to the checkout; format in bench/scale_plan.sh; default bench/plans/scale_dflash_dflash2.plan;
-# SCALE_TRAIN_FLAGS, e.g. --compile-drafter, is appended to each of its train lines);
+# SCALE_TRAIN_FLAGS, e.g. --no-compile-drafter, is appended to each of its train lines);
 # PACK_REPLIES=NAME makes the scale step end by packing store NAME's replies into $OUT/replies_NAME.tar.xz
 # (bench/replies_archive.py; moved into .carry_b/scale, a plan's `regenerate --replies-archive` starts from it).
 # The scale step compiles into /tmp/qs/inductor (TORCHINDUCTOR_CACHE_DIR; the trainer's first start on a bare

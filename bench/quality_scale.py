@@ -303,7 +303,7 @@ def train(args) -> None:
         "--eval-every",
         str(args.eval_every),
         "--checkpoint-every",
-        str(args.eval_every),
+        str(args.checkpoint_every or args.eval_every),
         "--eval-samples",
         str(args.eval_samples),
         "--lr",
@@ -317,7 +317,11 @@ def train(args) -> None:
     cmd += ["--mask-token-id", str(mask)] if mask is not None else []
     cmd += ["--loss", args.loss] + (["--kl-weight", str(args.kl_weight)] if args.loss == "mix" else [])
     cmd += [] if args.eval_decode else ["--no-eval-decode"]
-    cmd += ["--compile-drafter"] if args.compile_drafter else []
+    cmd += (
+        []
+        if args.compile_drafter is None
+        else ["--compile-drafter" if args.compile_drafter else "--no-compile-drafter"]
+    )
     timed(args.out / "seconds.json", f"train {args.name}", lambda: run_step(f"train {args.name}", cmd))
 
 
@@ -514,7 +518,11 @@ def run_summary(run: Path) -> dict:
                 "train_tokens": r["step"] * tokens_per_step,
                 "offline_tau": r["tau"],
                 # the same held-out replies along the chain greedy decoding takes (train.decode_tau)
-                **{key: r[key] for key in ("tau_decode", "tau_decode_head", "ce_loss", "selector_loss") if key in r},
+                **{
+                    key: r[key]
+                    for key in ("tau_decode", "tau_decode_head", "ce_loss", "selector_loss", "eval_s")
+                    if key in r
+                },
             }
             for r in records
             if r.get("type") == "eval"
@@ -654,6 +662,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--num-layers", type=int, default=5)
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--eval-every", type=int, default=250)
+    t.add_argument("--checkpoint-every", type=int, default=None, help="[default: --eval-every]")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--num-blocks", type=int, default=256, help="draft blocks per step (dflash-train --num-blocks)")
     t.add_argument("--eval-samples", type=int, default=64, help="held-out store samples of the offline tau")
@@ -665,7 +674,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     t.add_argument("--loss", choices=["ce", "kl", "mix"], default="ce", help="dflash-train --loss (kl: a top-K store)")
     t.add_argument("--kl-weight", type=float, default=0.5, help="--loss mix: the KL term's weight")
-    t.add_argument("--compile-drafter", action="store_true", help="dflash-train --compile-drafter")
+    t.add_argument(
+        "--compile-drafter",
+        action=argparse.BooleanOptionalAction,
+        help="dflash-train --compile-drafter / --no-compile-drafter [default: dflash-train's, on a GPU]",
+    )
     e = sub.choices["evaluate"]
     e.add_argument("--temperature", type=float, action="append", required=True)
     e.add_argument("--limit", type=int, default=32)

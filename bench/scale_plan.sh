@@ -11,7 +11,7 @@
 # A line ending in `&` runs in the background, beside the lines after it up to the next line without `&`;
 # when that one ends, the plan waits for the background lines (each still under its own deadline) before
 # `report`: two drafters train at once on one GPU whose steps leave it idle between kernels.
-# SCALE_TRAIN_FLAGS in the environment (e.g. --compile-drafter) is appended to every train line.
+# SCALE_TRAIN_FLAGS in the environment (e.g. --no-compile-drafter) is appended to every train line.
 #   bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]
 set -u
 [ $# -ge 5 ] || { echo "usage: bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]"; exit 2; }

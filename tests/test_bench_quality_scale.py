@@ -68,7 +68,19 @@ def scale_run(tmp_path_factory: pytest.TempPathFactory, tiny_target_dir: Path) -
             "regenerate", *regen, "--store", "fp8", "--store-dtype", "float8_e4m3fn", "--replies-from", "store"
         ),
     }
-    run_ok("train", *train, "--name", "on_fp8", "--store", "fp8", "--num-blocks", "8", "--no-eval-decode")
+    run_ok(
+        "train",
+        *train,
+        "--name",
+        "on_fp8",
+        "--store",
+        "fp8",
+        "--num-blocks",
+        "8",
+        "--no-eval-decode",
+        "--checkpoint-every",
+        "3",
+    )
     run_ok("train", *train, "--name", "on_bf16")
     evaluate = [*where, "--target", str(tiny_target_dir), "--limit", "2", "--max-new-tokens", "8"]
     logs["evaluate"] = run_ok("evaluate", *evaluate, "--temperature", "0", "--parallel", "2")
@@ -180,11 +192,12 @@ def test_train_uses_the_named_store(scale_run: SimpleNamespace) -> None:
     }
     config = json.loads((scale_run.out / "on_fp8" / "train_config.json").read_text())
     assert (config["store"], config["num_blocks"]) == (str(scale_run.out / "fp8"), 8)
-    assert json.loads((scale_run.out / "on_bf16" / "train_config.json").read_text())["num_blocks"] == 256
-    assert (
-        config["eval_decode"],
-        json.loads((scale_run.out / "on_bf16" / "train_config.json").read_text())["eval_decode"],
-    ) == (False, True)
+    bf16_config = json.loads((scale_run.out / "on_bf16" / "train_config.json").read_text())
+    assert bf16_config["num_blocks"] == 256
+    assert (config["eval_decode"], bf16_config["eval_decode"]) == (False, True)
+    assert (config["checkpoint_every"], bf16_config["checkpoint_every"]) == (3, 1)  # --eval-every's by default
+    # the learning curve's points carry the seconds each evaluation took
+    assert all(p["eval_s"] > 0 for run in runs.values() for p in run["curve"])
     # the learning curve carries both held-out acceptances, or the drawn-anchor one alone
     assert runs["on_bf16"]["curve"] and all(
         p["tau_decode"] >= 1 and p["offline_tau"] >= 1 for p in runs["on_bf16"]["curve"]
@@ -367,20 +380,25 @@ def test_scale_train_flags_reach_every_train_line_and_no_other(tmp_path: Path) -
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "eval_domains.json").write_text("[]")
     plan = "60 train --name x\n61 evaluate --temperature 0\n62 train --name y --steps 5\n"
-    done = scale_plan(tmp_path, plan, int(time.time()) - 120, SCALE_TRAIN_FLAGS="--compile-drafter")
+    done = scale_plan(tmp_path, plan, int(time.time()) - 120, SCALE_TRAIN_FLAGS="--no-compile-drafter")
     assert done.returncode == 1
     assert done.stdout.splitlines() == [
         f"--- plan line {n}: {line}: skipped, its deadline ({n + 59} s) has passed"
         for n, line in enumerate(
             [
-                "train --name x --compile-drafter",
+                "train --name x --no-compile-drafter",
                 "evaluate --temperature 0",
-                "train --name y --steps 5 --compile-drafter",
+                "train --name y --steps 5 --no-compile-drafter",
             ],
             start=1,
         )
     ]
-    assert parse(["train", "--out", "o", "--prompts", "p", "--name", "x", "--compile-drafter"]).compile_drafter
+    train = ["train", "--out", "o", "--prompts", "p", "--name", "x"]
+    assert [parse(train + flag).compile_drafter for flag in ([], ["--compile-drafter"], ["--no-compile-drafter"])] == [
+        None,
+        True,
+        False,
+    ]
 
 
 STAGE_STAND_IN = """#!/usr/bin/env bash

@@ -81,6 +81,22 @@ def test_options_parse_into_the_fields_types():
 
 
 @pytest.mark.parametrize(
+    "flag, given, on_gpu, on_cpu",
+    [
+        ([], None, True, False),
+        (["--compile-drafter"], True, True, True),
+        (["--no-compile-drafter"], False, False, False),
+    ],
+)
+def test_the_drafter_compiles_on_a_gpu_unless_told(flag, given, on_gpu, on_cpu):
+    """`dflash-train` compiles the drafter by default where that halves its step (a GPU), not on a CPU;
+    either flag overrides the default."""
+    cfg = config_from_cli(TrainConfig, parsed(train_main, ["--store", "s", "--out", "o", *flag]))
+    assert cfg.compile_drafter is given
+    assert (cfg.compiles_drafter("cuda"), cfg.compiles_drafter("cpu")) == (on_gpu, on_cpu)
+
+
+@pytest.mark.parametrize(
     "make, option",
     [
         (lambda: TrainConfig(**TRAIN_REQUIRED, pack_tokens=200), "--pack-tokens"),

@@ -318,16 +318,18 @@ def test_training_reduces_loss_and_reports_acceptance(store_dir, tmp_path):
     ]
     assert evals and evals[-1]["tau"] == pytest.approx(result.eval_tau)
     # a DFlash run's eval records: the acceptance over drawn anchors and along the decoding chain
-    assert [list(r) for r in evals] == [["step", "type", "tau", "tau_decode", "tau_decode_head"]]
+    assert [list(r) for r in evals] == [["step", "type", "tau", "tau_decode", "tau_decode_head", "eval_s"]]
+    assert evals[-1]["eval_s"] > 0
     assert 1.0 <= evals[-1]["tau_decode"] <= 8 and 1.0 <= evals[-1]["tau_decode_head"] <= 8
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert list(first) == ["step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "acc"]
+    assert json.loads((tmp_path / "run" / "train_config.json").read_text())["compile_drafter"] is False  # CPU
 
 
 def test_no_eval_decode_logs_the_drawn_anchor_tau_alone(store_dir, tmp_path):
     run_training(replace(base_config(store_dir, tmp_path / "run"), max_steps=2, eval_every=2, eval_decode=False))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [list(r) for r in rows if r.get("type") == "eval"] == [["step", "type", "tau"]]
+    assert [list(r) for r in rows if r.get("type") == "eval"] == [["step", "type", "tau", "eval_s"]]
 
 
 def test_refuses_incomplete_store(store_dir, tmp_path):
@@ -401,17 +403,34 @@ def global_rngs() -> tuple:
     return torch.get_rng_state(), np.random.get_state(), random.getstate()
 
 
-def crashed_copy(run: Path, crashed: Path, last_checkpoint: int, final_step: int, logged_through: int) -> Path:
+def logged(run: Path) -> list[dict]:
+    """A run's metrics records without their timings (which differ between equal runs)."""
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "eval_s")}
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def crashed_copy(
+    run: Path, crashed: Path, last_checkpoint: int, final_step: int, logged_through: int, evaluated: bool = True
+) -> Path:
     """A copy of finished `run` as a crash after its `last_checkpoint` leaves it: no final drafter, no
-    checkpoint of `final_step`, the metrics lines of steps up to `logged_through` only."""
+    checkpoint of `final_step` (unless it is the last one), the metrics lines of steps up to
+    `logged_through` only; without `evaluated`, the crash cut the evaluation of `last_checkpoint`'s step."""
     import shutil
 
     shutil.copytree(run, crashed)
     shutil.rmtree(crashed / "drafter")
-    shutil.rmtree(crashed / "checkpoints" / f"step-{final_step:08d}")
+    if final_step != last_checkpoint:
+        shutil.rmtree(crashed / "checkpoints" / f"step-{final_step:08d}")
     (crashed / "checkpoints" / "latest").write_text(f"step-{last_checkpoint:08d}")
     lines = (crashed / "metrics.jsonl").read_text().splitlines()
-    kept = [line for line in lines if json.loads(line)["step"] <= logged_through]
+    cut = None if evaluated else (last_checkpoint, "eval")
+    kept = [
+        line
+        for line, r in zip(lines, map(json.loads, lines))
+        if r["step"] <= logged_through and (r["step"], r.get("type")) != cut
+    ]
     (crashed / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
     return crashed
 
@@ -489,19 +508,49 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     assert schedules[1] == schedules[0][4:6]  # ...and the resumed run goes on with the 5th
     assert f"metrics.jsonl: line {len(before_crash) + 1} is cut short" in capsys.readouterr().err
 
-    def metric(run: Path) -> list[dict]:
-        return [
-            {k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
-            for line in (run / "metrics.jsonl").read_text().splitlines()
-        ]
-
-    assert_same_bits(metric(crashed), metric(Path(cfg.out)), "metrics")
+    assert_same_bits(logged(crashed), logged(Path(cfg.out)), "metrics")
     assert_same_bits(
         load_file(crashed / "drafter" / "model.safetensors"),
         load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
         "drafter",
     )
     assert result.steps == 6 and not result.already_complete
+
+
+@pytest.mark.parametrize(
+    "cut_at, evaluated, workers",
+    [
+        (2, False, 1),
+        (4, False, 1),
+        (2, True, 1),
+        pytest.param(2, False, 2, marks=pytest.mark.slow, id="2-False-gloo"),
+        pytest.param(2, True, 2, marks=pytest.mark.slow, id="2-True-gloo"),
+    ],
+)
+def test_a_crash_during_an_evaluation_loses_no_step_and_the_resumed_run_evaluates_first(
+    store_dir, tmp_path, cut_at, evaluated, workers
+):
+    """A crash while the evaluation of step 2 (or of the last step) ran: that step's checkpoint was
+    written before it, so the resumed run goes on from there, runs the lost evaluation first (every
+    rank, on rank 0's reading of the log), and its log and drafter end as the uninterrupted run's. A
+    crash after the evaluation was logged is not evaluated again."""
+    from safetensors.torch import load_file
+
+    cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=4, checkpoint_every=2, eval_every=2)
+    cfg = replace(cfg, workers=workers, eval_samples=4 * workers)  # a held-out pack for each rank
+    run_training(cfg)
+    crashed = crashed_copy(
+        Path(cfg.out), tmp_path / "b", cut_at, final_step=4, logged_through=cut_at, evaluated=evaluated
+    )
+    assert [r["step"] for r in logged(crashed) if r.get("type") == "eval"] == [2, 4][: cut_at // 2 - 1 + evaluated]
+    result = run_training(replace(cfg, out=str(crashed), resume=True))
+    assert_same_bits(logged(crashed), logged(Path(cfg.out)), "metrics")
+    assert result.eval_tau == [r["tau"] for r in logged(Path(cfg.out)) if r.get("type") == "eval"][-1]
+    assert_same_bits(
+        load_file(crashed / "drafter" / "model.safetensors"),
+        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
+        "drafter",
+    )
 
 
 def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_run_shows_its_results(
@@ -698,14 +747,8 @@ def test_dflash2_resume_continues_with_identical_losses(store_dir, tmp_path):
         run_training(replace(cfg, out=str(crashed), resume=True, arch="dflash"))
     run_training(replace(cfg, out=str(crashed), resume=True))
 
-    def metric(run: Path) -> list[dict]:
-        return [
-            {k: v for k, v in json.loads(line).items() if k != "tokens_per_s"}
-            for line in (run / "metrics.jsonl").read_text().splitlines()
-        ]
-
-    assert [m["step"] for m in metric(crashed) if "loss" in m] == [1, 2, 3, 4]
-    assert_same_bits(metric(crashed), metric(Path(cfg.out)), "metrics")
+    assert [m["step"] for m in logged(crashed) if "loss" in m] == [1, 2, 3, 4]
+    assert_same_bits(logged(crashed), logged(Path(cfg.out)), "metrics")
     assert_same_bits(
         load_file(crashed / "drafter" / "model.safetensors"),
         load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
@@ -737,7 +780,7 @@ def test_dflash2_ddp_run_equals_single_process_run_and_logs_its_loss_terms(store
             assert r["loss"] == pytest.approx(r["ce_loss"] + 0.5 * r["selector_loss"], rel=1e-6)  # fp32 terms
             assert r["ce_loss"] > 0 and r["selector_loss"] > 0
         assert [list(r) for r in rows if r.get("type") == "eval"] == [
-            ["step", "type", "tau", "tau_decode", "tau_decode_head", "ce_loss", "selector_loss"]
+            ["step", "type", "tau", "tau_decode", "tau_decode_head", "ce_loss", "selector_loss", "eval_s"]
         ]
     for got, want in zip(records[2], records[1], strict=True):
         assert got.keys() == want.keys() and got.get("acc") == want.get("acc")

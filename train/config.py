@@ -117,11 +117,12 @@ class TrainConfig:
     )
     kl_weight: float = option(0.5, range=(0, 1), help="--loss mix: the weight w of the KL term.")
     # how the step runs (appended last, as above)
-    compile_drafter: bool = option(
-        False,
+    compile_drafter: bool | None = option(
+        None,
+        flag="--compile-drafter/--no-compile-drafter",
         help="Compile the drafter's training forward and backward as one graph (attention inside it) "
         "and the loss's chunks: fewer, fused kernels for a step whose small drafter leaves the GPU "
-        "waiting on the host.",
+        "waiting on the host [default: on a GPU; on a CPU compiling takes longer than a short run].",
     )
 
     def __post_init__(self) -> None:
@@ -154,6 +155,11 @@ class TrainConfig:
         if self.device != "cuda":
             return 2
         return max(2, (os.cpu_count() or 2) // max(1, ranks_per_host) - 1)
+
+    def compiles_drafter(self, device_type: str) -> bool:
+        """--compile-drafter / --no-compile-drafter, else on a GPU only: there it halves the step of a
+        small drafter (bench/RESULTS.md); on a CPU compiling takes longer than a short run gains."""
+        return device_type == "cuda" if self.compile_drafter is None else self.compile_drafter
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -14,9 +14,10 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -244,7 +245,7 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, cfg.min_lr_ratio))
         state = ckpt.TrainState(step=0, epoch=0, step_in_epoch=0, store_identity=store_identity(store))
         return cls(
-            cfg,
+            replace(cfg, compile_drafter=cfg.compiles_drafter(device.type)),  # train_config.json says which
             rank,
             world,
             device,
@@ -321,11 +322,13 @@ class Trainer:
         )
 
     def fit(self, metrics: MetricsLog) -> tuple[float | None, float]:
-        """The steps from `state.step` to `total_steps`, each logged, evaluated and checkpointed at
-        its interval; (last tau, tokens/s of the last logged window), the kept log's if no step logs
+        """The steps from `state.step` to `total_steps`, each logged, checkpointed and evaluated at
+        its interval (first the evaluation a cut lost, see `evaluation_was_cut`); (last tau, tokens/s of the last logged window), the kept log's if no step logs
         them."""
         cfg, state = self.cfg, self.state
         tau, rate = metrics.kept_results()
+        if self.evaluation_was_cut(metrics):
+            tau = self.log_evaluation(metrics)
         ddp = (
             DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             if self.world > 1
@@ -352,14 +355,32 @@ class Trainer:
                 metrics.write(self.step_record(result, rate))
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{rate:,.0f}")
             bar.update(1)
-            if self.eval_packs and (state.step % cfg.eval_every == 0 or state.step == self.total_steps):
-                held_out = self.evaluate()
-                tau = held_out["tau"]
-                metrics.write({"step": state.step, "type": "eval", **held_out})
             if state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps:
-                self.save_checkpoint()
+                self.save_checkpoint()  # before the evaluation: a cut while it runs loses no steps
+            if self.evaluation_due(state.step):
+                tau = self.log_evaluation(metrics)
         bar.close()
         return tau, rate
+
+    def evaluation_due(self, step: int) -> bool:
+        return bool(self.eval_packs) and (step % self.cfg.eval_every == 0 or step == self.total_steps)
+
+    def evaluation_was_cut(self, metrics: MetricsLog) -> bool:
+        """Whether the resumed step is one whose evaluation the log lacks: the run was cut while it ran
+        (its checkpoint is written first). Rank 0 reads the log; every rank gets its answer."""
+        if self.state.step == 0 or not self.evaluation_due(self.state.step):
+            return False
+        lacking = self.rank == 0 and not metrics.has_evaluation(self.state.step)
+        return all_sum([float(lacking)], self.device)[0] > 0
+
+    def log_evaluation(self, metrics: MetricsLog) -> float:
+        """`evaluate` at the current step, logged with the seconds it took (`eval_s`); -> its tau."""
+        start = time.perf_counter()
+        held_out = self.evaluate()
+        metrics.write(
+            {"step": self.state.step, "type": "eval", **held_out, "eval_s": round(time.perf_counter() - start, 3)}
+        )
+        return held_out["tau"]
 
     def train_step(self, ddp: torch.nn.Module, batch: dict[str, torch.Tensor]) -> StepResult:
         """One optimizer step on this rank's share of the global batch; what it did over all ranks."""
@@ -525,7 +546,7 @@ def train_rank(
     out.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(out / "metrics.jsonl", rank == 0, trainer.state.step if resumed else None)
     if rank == 0:
-        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        (out / "train_config.json").write_text(json.dumps(trainer.cfg.to_dict(), indent=1))  # as it runs
         if trainer.epoch_limit:
             print(trainer.epoch_limit_warning(), file=sys.stderr, flush=True)
     already_complete = resumed and trainer.state.step >= trainer.total_steps

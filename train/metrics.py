@@ -72,6 +72,10 @@ class MetricsLog:
             rate = record.get("tokens_per_s", rate)
         return tau, rate
 
+    def has_evaluation(self, step: int) -> bool:
+        """Whether the kept records hold the evaluation of `step`."""
+        return any(r.get("type") == "eval" and r.get("step") == step for r in self.kept)
+
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, self.mode) as f:
