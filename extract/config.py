@@ -81,6 +81,12 @@ class ExtractConfig:
         range=(1, None),
         help="--regenerate: requests decoded together (continuous batching) [default: 512 on GPU, 16 on CPU].",
     )
+    tokenize_processes: int | None = option(
+        None,
+        range=(1, None),
+        help="Processes tokenizing each rank's records (chat templates are pure Python: ~330 conversations "
+        "a second each) [default: the rank's share of the host's cores, at most one per 1,000 records].",
+    )
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -10,6 +10,7 @@ process's main thread only.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +19,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dflash_pipeline.data.errors import DataError
 from dflash_pipeline.data.records import ReadStats, iter_records
-from dflash_pipeline.data.tokens import TokenizedSample, tokenize_record
+from dflash_pipeline.data.tokenize_pool import tokenize_many, tokenize_processes
+from dflash_pipeline.data.tokens import TokenizedSample
 from dflash_pipeline.extract.background_writer import BackgroundWriter
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.plan import owns, padded_fraction, plan_batches
@@ -85,8 +88,20 @@ def load_owned_samples(
                 bar.update()
     if cfg.regenerate is not None:
         records = regenerate_owned(cfg, records, tokenizer, rank, device, summary)
-    owned = progress_bar(iterable=records, desc=f"tokenize rank {rank}", unit=" records", disable=rank != 0)
-    samples = [s for index, record in owned if (s := tokenize_one(record, tokenizer, cfg, index, summary)) is not None]
+    processes = cfg.tokenize_processes or tokenize_processes(
+        len(records), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    )
+    outcomes = tokenize_many(
+        [record for _, record in records], tokenizer, cfg.max_length, processes, cfg.chat_template_kwargs
+    )
+    owned = progress_bar(
+        iterable=zip((index for index, _ in records), outcomes),
+        total=len(records),
+        desc=f"tokenize rank {rank}" + (f" ({processes} processes)" if processes > 1 else ""),
+        unit=" records",
+        disable=rank != 0,
+    )
+    samples = [s for index, outcome in owned if (s := owned_sample(outcome, cfg, index, summary)) is not None]
     return samples, summary, stats
 
 
@@ -127,19 +142,18 @@ def regenerate_owned(
     return regenerated
 
 
-def tokenize_one(record, tokenizer, cfg: ExtractConfig, index: int, summary: RankSummary):
-    from dflash_pipeline.data import DataError
-
-    try:
-        sample = tokenize_record(record, tokenizer, cfg.max_length, chat_template_kwargs=cfg.chat_template_kwargs)
-    except DataError as exc:
+def owned_sample(
+    outcome: TokenizedSample | DataError, cfg: ExtractConfig, index: int, summary: RankSummary
+) -> TokenizedSample | None:
+    """A tokenized record as sample `index` of the store, counted; a refused one raised, or counted and
+    dropped with --skip-bad."""
+    if isinstance(outcome, DataError):
         if not cfg.skip_bad:
-            raise
-        reason = getattr(exc, "reason", "tokenize")
-        summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
+            raise outcome
+        summary.skipped[outcome.reason] = summary.skipped.get(outcome.reason, 0) + 1
         return None
-    summary.truncated += int(sample.truncated)
-    return TokenizedSample(index, sample.input_ids, sample.loss_mask, sample.truncated)
+    summary.truncated += int(outcome.truncated)
+    return TokenizedSample(index, outcome.input_ids, outcome.loss_mask, outcome.truncated)
 
 
 def pad_batch(samples: list[TokenizedSample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -322,3 +322,42 @@ def test_real_smollm2_template():
     runs = [tok.decode(sample.input_ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]
     assert runs == ["4.<|im_end|>", "Bye<|im_end|>"]
     assert tok.decode(sample.input_ids.tolist()).startswith("<|im_start|>system\nYou are a helpful")
+
+
+def test_worker_processes_tokenize_as_this_process_does_in_order():
+    """`tokenize_many` in two spawned processes: each record's sample (ids, mask, truncation) or
+    refusal (message and reason) equals `tokenize_record`'s here, in the records' order."""
+    from dflash_pipeline.data.tokenize_pool import tokenize_many
+
+    tok = hand_tokenizer(CHATML_TEMPLATE)
+    no_reply = [{"role": "user", "content": "A question too long for the reply to fit"}, TWO_TURNS[1]]
+    records = [
+        Record(i, f"t.jsonl:{i}", messages=m)
+        for i, m in enumerate([TWO_TURNS, [SYSTEM, *TWO_TURNS], no_reply, TWO_TURNS[:2]] * 100)
+    ]
+    records.append(Record(len(records), "t.jsonl:last", text="plain text " * 20))
+    serial = list(tokenize_many(records, tok, 30, processes=1))
+    pooled = list(tokenize_many(records, tok, 30, processes=2))
+
+    def outcome(o):
+        if isinstance(o, DataError):
+            return ("refused", str(o), o.reason)
+        return (o.index, o.input_ids.tolist(), o.loss_mask.tolist(), o.truncated)
+
+    assert [outcome(o) for o in pooled] == [outcome(o) for o in serial]
+    assert [outcome(o)[0] for o in serial].count("refused") == 100
+    assert any(o.truncated for o in serial if not isinstance(o, DataError))
+    for record, o in zip(records, serial):
+        if not isinstance(o, DataError):
+            assert o.input_ids.tolist() == tokenize_record(record, tok, 30).input_ids.tolist()
+
+
+def test_tokenizing_processes_are_the_ranks_share_of_the_cores_and_pay_for_their_start(monkeypatch):
+    from dflash_pipeline.data import tokenize_pool
+
+    monkeypatch.setattr(tokenize_pool.os, "cpu_count", lambda: 16)
+    assert tokenize_pool.tokenize_processes(500, 1) == 1  # too few records to pay for a start
+    assert tokenize_pool.tokenize_processes(12_000, 1) == 12
+    assert tokenize_pool.tokenize_processes(100_000, 1) == 15  # one core kept for the rank
+    assert tokenize_pool.tokenize_processes(100_000, 5) == 2
+    assert tokenize_pool.tokenize_processes(100_000, 16) == 1

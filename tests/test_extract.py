@@ -132,11 +132,12 @@ def store_files(root: Path) -> dict[str, bytes]:
 
 def test_identical_runs_write_identical_bytes(tiny_target_dir, tmp_path):
     """Every file of the store, the target head (whose hash is the manifest's weights fingerprint)
-    and the rank summaries included; two runs give four chances to a run-dependent order."""
+    and the rank summaries included; two runs give four chances to a run-dependent order. The second
+    run tokenizes in two processes per rank (`--tokenize-processes`), which changes no byte."""
     data = small_corpus(tmp_path, 8)
     trees = []
-    for name in ("a", "b"):
-        extract(tiny_target_dir, data, tmp_path / name, workers=2)
+    for name, processes in (("a", None), ("b", 2)):
+        extract(tiny_target_dir, data, tmp_path / name, workers=2, tokenize_processes=processes)
         trees.append(store_files(tmp_path / name))
     assert "target/target_head.safetensors" in trees[0] and "shards/rank-00001.summary.json" in trees[0]
     assert trees[0].keys() == trees[1].keys()
