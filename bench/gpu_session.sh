@@ -4,7 +4,7 @@
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
 # .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels
 # (a superset, downloaded by bench/carry_assets.py).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention regenerate smoke stash_a quality scale chat
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention topk regenerate smoke stash_a quality scale chat
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
@@ -63,6 +63,7 @@ for s in $steps; do
     train) step bench_train 420 python3 -m bench.train --scratch /tmp/bench_train --json "$OUT/train.json" ${TRAIN_ARGS:-} ;;
     store_io) step bench_store_io 120 python3 -m bench.store_io --scratch /tmp/bench_store_io --json "$OUT/store_io.json" ;;
     decode_attention) step bench_decode_attention 180 python3 -m bench.decode_attention --json "$OUT/decode_attention.json" ${ATTN_ARGS:-} ;;
+    topk) step bench_topk 120 python3 -m bench.topk --vocab 49152 --vocab 151936 --group 512 --group 1024 --group 4096 --json "$OUT/topk.json" ;;
     regenerate) step bench_regenerate 500 python3 -m bench.regenerate --json "$OUT/regenerate.json" ${REGEN_ARGS:-} ;;
     extract) step bench_extract 480 python3 -m bench.extract --out-dir /tmp/bench_extract --json "$OUT/extract.json" --samples 480 ${EXTRACT_ARGS:-} ;;
     smoke) step smoke 240 bash -c '
