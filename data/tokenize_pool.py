@@ -1,8 +1,8 @@
 """`tokenize_record` over many records in worker processes.
 
 Rendering a conversation's chat template (once per message, to find the reply spans) and tokenizing
-it is pure-Python work: ~3 ms for a multi-turn ShareGPT conversation, so one process tokenizes ~330 a
-second, and a rank's share of a large dataset would keep its GPU idle for minutes. The results are
+it is pure-Python work (one process tokenized 313 multi-turn conversations a second on the H100 machine),
+and a rank's share of a large dataset would keep its GPU idle for minutes. The results are
 `tokenize_record`'s, in the records' order, whatever the number of processes; a record it refuses
 comes back as its `DataError`, for the caller to count or raise.
 """

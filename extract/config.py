@@ -84,8 +84,9 @@ class ExtractConfig:
     tokenize_processes: int | None = option(
         None,
         range=(1, None),
-        help="Processes tokenizing each rank's records (chat templates are pure Python: ~330 conversations "
-        "a second each) [default: the rank's share of the host's cores, at most one per 1,000 records].",
+        help="Processes tokenizing each rank's records (chat templates are pure Python: a few hundred "
+        "conversations a second each) [default: the rank's share of the host's cores, at most one per "
+        "1,000 records].",
     )
 
     def __post_init__(self) -> None:
