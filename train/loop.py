@@ -323,8 +323,8 @@ class Trainer:
 
     def fit(self, metrics: MetricsLog) -> tuple[float | None, float]:
         """The steps from `state.step` to `total_steps`, each logged, checkpointed and evaluated at
-        its interval (first the evaluation a cut lost, see `evaluation_was_cut`); (last tau, tokens/s of the last logged window), the kept log's if no step logs
-        them."""
+        its interval (first the evaluation a cut lost, see `evaluation_was_cut`); (last tau, tokens/s
+        of the last logged window), the kept log's if no step logs them."""
         cfg, state = self.cfg, self.state
         tau, rate = metrics.kept_results()
         if self.evaluation_was_cut(metrics):
