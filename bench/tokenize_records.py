@@ -9,34 +9,21 @@ pooled time includes the workers' start.
 from __future__ import annotations
 
 import argparse
-import itertools
-import lzma
-import tempfile
 import time
 from pathlib import Path
 
 from bench import emit
-
-
-def read_records(path: Path, limit: int) -> list:
-    """The first `limit` usable records of a JSONL file (xz-compressed if it ends in .xz)."""
-    from dflash_pipeline.data import iter_records
-
-    if path.suffix == ".xz":
-        with lzma.open(path, "rt") as f, tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as plain:
-            plain.writelines(itertools.islice(f, limit * 2))
-        path = Path(plain.name)
-    return list(itertools.islice(iter_records(str(path), skip_bad=True), limit))
+from bench.regenerate import chat_records
 
 
 def rate(records: list, tokenizer, max_length: int, processes: int) -> tuple[float, int]:
     """(records/s, tokens) of `tokenize_many` over `records`."""
     from dflash_pipeline.data.tokenize_pool import tokenize_many
+    from dflash_pipeline.data.tokens import TokenizedSample
 
     start = time.perf_counter()
-    tokens = sum(
-        len(o.input_ids) for o in tokenize_many(records, tokenizer, max_length, processes) if hasattr(o, "input_ids")
-    )
+    outcomes = tokenize_many(records, tokenizer, max_length, processes)
+    tokens = sum(len(o.input_ids) for o in outcomes if isinstance(o, TokenizedSample))
     return len(records) / (time.perf_counter() - start), tokens
 
 
@@ -52,7 +39,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    records = read_records(args.data, args.records)
+    records = [record for _, record in chat_records(args.data, args.records)]
     one, tokens = rate(records, tokenizer, args.max_length, 1)
     rows = []
     for n in args.processes:

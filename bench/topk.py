@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from bench import emit
+from bench.regenerate import copy_bandwidth
+from bench.train import seconds_per_call
 
 
 def two_stage_topk(logits: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,56 +35,29 @@ def two_stage_topk(logits: torch.Tensor, k: int, group: int) -> tuple[torch.Tens
     return best, (local + offsets).flatten(1).gather(1, pick)
 
 
-def seconds_per_call(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` calls after a warm-up (CUDA events on a GPU)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device, gigabytes: float, repeats: int) -> float:
-    """Bytes read + written per second by a copy of a `gigabytes` tensor on `device`."""
-    src = torch.ones(int(gigabytes * 2**30) // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / seconds_per_call(lambda: dst.copy_(src), device, repeats)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=2048, help="rows per call (the selector loss's chunk_tokens)")
     ap.add_argument("--vocab", type=int, action="append", help="[default: 49152, SmolLM2's]")
     ap.add_argument("--k", type=int, default=16, help="dflash-train --selector-top-k")
     ap.add_argument("--group", type=int, action="append", help="[default: 1024]")
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--copy-gb", type=float, default=2.0)
+    ap.add_argument("--repeats", type=int, default=30, help="timed calls of each")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    copy_bps = copy_bandwidth(device, args.copy_gb, args.repeats)
+    copy_bps = copy_bandwidth(device)
     rows = []
     for vocab in args.vocab or [49152]:
         logits = torch.randn(args.rows, vocab, device=device, generator=torch.Generator(device).manual_seed(vocab))
         want = logits.topk(args.k, dim=-1)
-        base = seconds_per_call(functools.partial(logits.topk, args.k, dim=-1), device, args.repeats)
+        base = seconds_per_call(functools.partial(logits.topk, args.k, dim=-1), args.repeats)
         bound = logits.numel() * logits.element_size() / copy_bps
         row = {"vocab": vocab, "torch_topk_s": base, "bound_s": bound, "torch_of_bound": bound / base, "two_stage": []}
         for group in args.group or [1024]:
             values, indices = two_stage_topk(logits, args.k, group)
             exact = torch.equal(values, want.values) and torch.equal(logits.gather(1, indices), want.values)
-            took = seconds_per_call(functools.partial(two_stage_topk, logits, args.k, group), device, args.repeats)
+            took = seconds_per_call(functools.partial(two_stage_topk, logits, args.k, group), args.repeats)
             row["two_stage"].append(
                 {"group": group, "exact": exact, "seconds": took, "vs_torch": base / took, "of_bound": bound / took}
             )

@@ -108,14 +108,15 @@ def time_steps(model, head, batch, backend: str, gamma: float, steps: int, compi
 
 
 def seconds_per_call(fn, calls: int, warmup: int = 3) -> float:
-    """GPU seconds per call of `fn` after `warmup` calls, the device drained before and after."""
+    """Seconds per call of `fn` after `warmup` calls, the GPU (where there is one) drained before and after."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    drain = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    drain()
     t = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    drain()
     return (time.perf_counter() - t) / calls
 
 

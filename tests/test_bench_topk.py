@@ -31,8 +31,6 @@ def test_bench_reports_exactness_and_ratios_on_cpu(tmp_path):
             "96",
             "--repeats",
             "2",
-            "--copy-gb",
-            "0.01",
             "--device",
             "cpu",
             "--json",
