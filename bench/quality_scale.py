@@ -272,6 +272,7 @@ def regenerate(args) -> None:
     cmd += ["--store-dtype", args.store_dtype] if args.store_dtype else []
     cmd += ["--temperature", str(args.temperature)] if args.temperature else []
     cmd += ["--gen-batch-size", str(args.gen_batch_size)] if args.gen_batch_size else []
+    cmd += ["--tokenize-processes", str(args.tokenize_processes)] if args.tokenize_processes else []
     timed(args.out / "seconds.json", f"regenerate+extract {args.store}", lambda: run_step("extract", cmd))
 
 
@@ -652,6 +653,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     sub.choices["regenerate"].add_argument(
         "--gen-batch-size", type=int, default=None, help="dflash-extract --gen-batch-size [default: dflash-extract's]"
+    )
+    sub.choices["regenerate"].add_argument(
+        "--tokenize-processes",
+        type=int,
+        default=None,
+        help="dflash-extract --tokenize-processes [default: dflash-extract's]",
     )
     for name in ("regenerate", "train", "pack-replies"):
         sub.choices[name].add_argument("--store", metavar="NAME", default="store", help="the store's folder in --out")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -50,11 +52,18 @@ def tokenize_many(
         yield from (_attempt(r, tokenizer, max_length, chat_template_kwargs) for r in rest)
         return
     chunk = max(1, min(64, len(rest) // (processes * 8)))  # small enough to balance, large enough to batch
-    with mp.get_context("spawn").Pool(
-        processes, initializer=_start_worker, initargs=(tokenizer, max_length, chat_template_kwargs)
-    ) as pool:
-        for outcome in pool.imap(_attempt_in_worker, rest, chunksize=chunk):
-            yield DataError(*outcome) if isinstance(outcome, tuple) else outcome
+    # The tokenizer reaches the workers through a file: a spawned child reads its start arguments only
+    # after importing the caller's main module (seconds: torch, transformers), and arguments larger than
+    # a pipe's buffer (a pickled tokenizer is megabytes) would make each start wait for the one before.
+    with tempfile.TemporaryDirectory(prefix="dflash-tokenize-") as scratch:
+        tokenizer_file = os.path.join(scratch, "tokenizer.pickle")
+        with open(tokenizer_file, "wb") as f:
+            pickle.dump(tokenizer, f)
+        with mp.get_context("spawn").Pool(
+            processes, initializer=_start_worker, initargs=(tokenizer_file, max_length, chat_template_kwargs)
+        ) as pool:
+            for outcome in pool.imap(_attempt_in_worker, rest, chunksize=chunk):
+                yield DataError(*outcome) if isinstance(outcome, tuple) else outcome
 
 
 def _attempt(record, tokenizer, max_length, chat_template_kwargs) -> TokenizedSample | DataError:
@@ -64,8 +73,10 @@ def _attempt(record, tokenizer, max_length, chat_template_kwargs) -> TokenizedSa
         return exc
 
 
-def _start_worker(tokenizer, max_length, chat_template_kwargs) -> None:
+def _start_worker(tokenizer_file, max_length, chat_template_kwargs) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
+    with open(tokenizer_file, "rb") as f:
+        tokenizer = pickle.load(f)
     _worker.update(tokenizer=tokenizer, max_length=max_length, chat_template_kwargs=chat_template_kwargs)
 
 

@@ -361,3 +361,30 @@ def test_tokenizing_processes_are_the_ranks_share_of_the_cores_and_pay_for_their
     assert tokenize_pool.tokenize_processes(100_000, 1) == 15  # one core kept for the rank
     assert tokenize_pool.tokenize_processes(100_000, 5) == 2
     assert tokenize_pool.tokenize_processes(100_000, 16) == 1
+
+
+def test_worker_start_arguments_fit_a_pipe_buffer_whatever_the_tokenizer(monkeypatch):
+    """A spawned worker reads its start arguments only after importing the caller's main module
+    (torch, transformers: seconds). Arguments larger than a pipe's buffer (64 KiB on Linux) block the
+    start of the next worker until then, so a pickled tokenizer (megabytes for a real target) would
+    start the pool one import at a time: 12 workers on the H100 host tokenized nothing for minutes."""
+    import pickle
+
+    from dflash_pipeline.data import tokenize_pool
+
+    tok = hand_tokenizer(CHATML_TEMPLATE)
+    tok.add_tokens([f"<extra_{i}>" for i in range(4000)])
+    assert len(pickle.dumps(tok)) > 65536
+    spawn, start_arguments = tokenize_pool.mp.get_context("spawn"), []
+
+    class RecordingContext:
+        def Pool(self, processes, initializer, initargs):  # noqa: N802 - multiprocessing's name
+            start_arguments.append(len(pickle.dumps((initializer, initargs))))
+            return spawn.Pool(processes, initializer=initializer, initargs=initargs)
+
+    monkeypatch.setattr(tokenize_pool.mp, "get_context", lambda method: RecordingContext())
+    records = [Record(i, f"t.jsonl:{i}", messages=TWO_TURNS) for i in range(40)]
+    pooled = list(tokenize_pool.tokenize_many(records, tok, None, processes=2))
+    assert len(start_arguments) == 1 and start_arguments[0] < 4096
+    serial = [tokenize_record(r, tok, None) for r in records]
+    assert [p.input_ids.tolist() for p in pooled] == [s.input_ids.tolist() for s in serial]
