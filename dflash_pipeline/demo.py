@@ -17,16 +17,24 @@ from pathlib import Path
 import click
 
 from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.shared.runtime.launch import forwarding_sigterm
 
 
 def run_step(step: str, args: list[str]) -> None:
     """Print and run one stage as a subprocess (the real CLI, as a user would run it); exit with its
-    code if it fails, so a broken stage stops the whole run. Shared with the benchmarks in bench/."""
+    code if it fails, so a broken stage stops the whole run. SIGTERM goes on to the stage. Shared with
+    the benchmarks in bench/."""
     click.echo(f"\n== {step}: {' '.join(args)}")
-    proc = subprocess.run(args)
-    if proc.returncode != 0:
-        click.echo(f"{step} failed (exit code {proc.returncode})", err=True)
-        sys.exit(proc.returncode)
+    proc = subprocess.Popen(args)
+
+    def running() -> list[int]:
+        return [proc.pid] if proc.poll() is None else []
+
+    with forwarding_sigterm(running):  # the stage stops itself (dflash-train after a checkpoint): wait
+        code = proc.wait()
+    if code != 0:
+        click.echo(f"{step} failed (exit code {code})", err=True)
+        sys.exit(code)
 
 
 @click.command()

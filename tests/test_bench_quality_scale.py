@@ -441,3 +441,39 @@ def test_online_tau_splits_where_the_trainers_head_ends() -> None:
     # prompt 1 anchors at offsets 0, 3 (head of 4), then 4 and 6; prompt 2's only step at 0
     assert head_and_tail([[3, 1, 2, 5], [1]], 4) == ((3 + 1 + 1) / 3, (2 + 5) / 2)
     assert head_and_tail([[2, 2]], 100) == (2.0, None)
+
+
+def test_a_stage_runner_passes_sigterm_to_its_stage_and_waits_for_it(tmp_path) -> None:
+    """A plan line's deadline (or a scheduler) sends SIGTERM to the runner: the stage gets it too and the
+    runner waits for what it makes of it (dflash-train writes a checkpoint), then exits with its code."""
+    import signal
+
+    stage = (
+        "import signal, sys, time, pathlib\n"
+        "def stop(signum, frame):\n"
+        "    time.sleep(1); pathlib.Path(sys.argv[1]).write_text('checkpoint'); sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, stop); pathlib.Path(sys.argv[1] + '.ready').touch(); time.sleep(60)\n"
+    )
+    done = tmp_path / "done"
+    runner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from dflash_pipeline.demo import run_step; run_step('stage', sys.argv[1:])",
+            sys.executable,
+            "-c",
+            stage,
+            str(done),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 60
+    while not (tmp_path / "done.ready").exists():
+        assert runner.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    runner.send_signal(signal.SIGTERM)  # the runner alone: it must pass it on
+    out, _ = runner.communicate(timeout=60)
+    assert runner.returncode == 3 and "stage failed (exit code 3)" in out, out
+    assert done.read_text() == "checkpoint"

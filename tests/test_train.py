@@ -553,6 +553,99 @@ def test_a_crash_during_an_evaluation_loses_no_step_and_the_resumed_run_evaluate
     )
 
 
+@pytest.mark.parametrize("stop_after", [3, 4])
+def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_resumed_run_ends_as_the_uninterrupted_one(
+    store_dir, tmp_path, monkeypatch, stop_after
+):
+    """SIGTERM (a scheduler's preemption, `timeout`) during step 3, between checkpoints, or step 4, whose
+    evaluation is due: the run stops after that step with one line, its checkpoint written and no final
+    drafter; the resumed run (evaluating step 4 first) ends bit-identical to the uninterrupted one."""
+    from safetensors.torch import load_file
+
+    from dflash_pipeline.train import loop
+
+    cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=6, checkpoint_every=5, eval_every=2)
+    run_training(cfg)
+    one_step = loop.Trainer.train_step
+
+    def step_while_sigterm_arrives(self, ddp, batch):
+        if self.state.step + 1 == stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return one_step(self, ddp, batch)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", step_while_sigterm_arrives)
+    handler = signal.getsignal(signal.SIGTERM)
+    stopped = tmp_path / "b"
+    with pytest.raises(loop.TrainingStopped, match=f"stopped by SIGTERM after step {stop_after} of 6; .* --resume"):
+        run_training(replace(cfg, out=str(stopped)))
+    assert signal.getsignal(signal.SIGTERM) == handler
+    assert (stopped / "checkpoints" / "latest").read_text() == f"step-{stop_after:08d}"
+    assert not (stopped / "drafter").exists()
+    assert [r["step"] for r in logged(stopped) if r.get("type") == "eval"] == [2]
+    monkeypatch.undo()
+    run_training(replace(cfg, out=str(stopped), resume=True))
+    assert_same_bits(logged(stopped), logged(Path(cfg.out)), "metrics")
+    assert_same_bits(
+        load_file(stopped / "drafter" / "model.safetensors"),
+        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
+        "drafter",
+    )
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` started with multiprocessing's spawn, in start order (Linux /proc)."""
+    children = map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    return sorted(c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_group_the_launcher_or_a_rank_stops_every_gloo_rank_at_one_step_and_loses_none(
+    store_dir, tmp_path
+):
+    """Two gloo ranks with a loader worker each, as `timeout` (the whole process group), `kill` of the
+    launcher (which passes it on) or of one rank sends SIGTERM: every rank stops after the same step, exit code 1
+    with one line naming it, that step's checkpoint written; the resumed run's losses are the
+    uninterrupted run's."""
+    import re
+
+    extra = ("--workers", "2", "--loader-workers", "1", "--max-steps", "40", "--checkpoint-every", "100")
+    ref = tmp_path / "ref"
+    subprocess.run(train_cmd(store_dir, ref, *extra), check=True, capture_output=True)
+    want = losses(ref)
+    for target in ("group", "launcher", "rank 1"):
+        run = tmp_path / target
+        proc = subprocess.Popen(
+            train_cmd(store_dir, run, *extra),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.time() + 300
+            while not (run / "metrics.jsonl").exists() or len(losses(run)) < 4:
+                assert proc.poll() is None and time.time() < deadline
+                time.sleep(0.02)
+            if target == "group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            elif target == "launcher":
+                proc.send_signal(signal.SIGTERM)
+            else:  # one rank alone: the others learn it in the step's all-reduce
+                os.kill(spawned_children(proc.pid)[1], signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:  # a failed check leaves no run behind
+                os.killpg(proc.pid, signal.SIGKILL)
+        line = re.search(r"stopped by SIGTERM after step (\d+) of \d+;", stderr)
+        assert proc.returncode == 1 and line, stderr[-2000:]
+        step = int(line.group(1))
+        assert (run / "checkpoints" / "latest").read_text() == f"step-{step:08d}"
+        assert max(losses(run)) == step and not (run / "drafter").exists()
+        resumed = subprocess.run(train_cmd(store_dir, run, *extra, "--resume"), capture_output=True, text=True)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert losses(run) == want
+
+
 def test_summary_says_when_the_epoch_limit_ends_a_run_and_a_rerun_of_a_finished_run_shows_its_results(
     store_dir, tmp_path
 ):

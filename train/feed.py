@@ -30,6 +30,7 @@ slot first written by a worker costs a page fault per 4 KiB of its 168 MB (3.6x 
 from __future__ import annotations
 
 import mmap
+import signal
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -111,7 +112,10 @@ def _check(status, what: str) -> None:
 
 def _start_worker(worker_id: int) -> None:
     """One codec thread (parallelism comes from the worker processes; codec threads inside each would
-    oversubscribe), and this worker's own slots mapped into its page table before the first step."""
+    oversubscribe), and this worker's own slots mapped into its page table before the first step.
+    SIGTERM is the rank's to act on (it stops at a step boundary with a checkpoint); a worker dying by
+    the one its process group got would fail the rank's next fetch first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     decode_in_this_thread_only()
     info = get_worker_info()
     for buffer in info.dataset.slots.buffers[worker_id :: info.num_workers]:

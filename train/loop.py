@@ -35,6 +35,7 @@ from dflash_pipeline.shared.runtime.config import ConfigError
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.runtime.progress import progress_bar
 from dflash_pipeline.shared.runtime.run_lock import RunLockError, run_lock
+from dflash_pipeline.shared.runtime.stop import stop_requested, stopping_on_sigterm
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.shared.target.identity import TargetIdentity
@@ -80,6 +81,10 @@ class TrainingError(UserError, RuntimeError):
     """Training cannot continue (bad store, diverged loss, mismatched checkpoint)."""
 
 
+class TrainingStopped(TrainingError):
+    """A rank got SIGTERM: every rank stopped after the same step, whose checkpoint is written."""
+
+
 @dataclass
 class RankResult:
     steps: int
@@ -102,6 +107,7 @@ class StepResult:
     grad_norm: float
     correct: np.ndarray
     total: np.ndarray
+    stop: bool  # a rank got SIGTERM: every rank stops after this step
 
 
 def backend_for(cfg: TrainConfig, device: torch.device) -> str:
@@ -355,8 +361,14 @@ class Trainer:
                 metrics.write(self.step_record(result, rate))
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{rate:,.0f}")
             bar.update(1)
-            if state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps:
+            if state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps or result.stop:
                 self.save_checkpoint()  # before the evaluation: a cut while it runs loses no steps
+            if result.stop:  # the resumed run runs this step's evaluation first, if one was due
+                bar.close()
+                raise TrainingStopped(
+                    f"stopped by SIGTERM after step {state.step:,} of {self.total_steps:,}; its checkpoint is "
+                    f"written: {RESUME_HINT}"
+                )
             if self.evaluation_due(state.step):
                 tau = self.log_evaluation(metrics)
         bar.close()
@@ -401,10 +413,11 @@ class Trainer:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
         terms = loss_term_sums(stats)
-        reduced = all_sum(
+        *reduced, stops = all_sum(  # SIGTERM on any rank rides along, so all stop at the same step
             [float(loss_sum.detach()), float(grad_norm), *terms.values()]
             + stats["correct"].tolist()
-            + stats["total"].tolist(),
+            + stats["total"].tolist()
+            + [float(stop_requested())],
             self.device,
         )
         denominator = max(global_weight, 1e-12)
@@ -422,6 +435,7 @@ class Trainer:
             {key: value / denominator for key, value in zip(terms, reduced[2:])},
             reduced[1] / self.world,
             *np.split(counts, 2),
+            stops > 0,
         )
 
     def step_record(self, result: StepResult, rate: float) -> dict:
@@ -603,6 +617,7 @@ def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None,
     init_distributed(rank, world, device, init_method, cfg.collective_timeout)
     try:
         with ExitStack() as held:
+            held.enter_context(stopping_on_sigterm())
             cluster = None
             if dist.is_initialized():
                 cluster = held.enter_context(Cluster("dflash-train", cfg.collective_timeout, RESUME_HINT))

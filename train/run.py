@@ -37,4 +37,5 @@ def run_training(cfg: TrainConfig) -> RankResult | None:
         try:
             return spawn_ranks(rank_entry, cfg.world_size, (cfg.world_size, cfg, init))[0]
         except RankFailed as exc:
-            raise TrainingError(f"{exc}; {RESUME_HINT}") from exc
+            hint = "" if RESUME_HINT in str(exc) else f"; {RESUME_HINT}"  # a stopped rank's line has it
+            raise TrainingError(f"{exc}{hint}") from exc

@@ -15,8 +15,10 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -62,7 +64,9 @@ def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int)
 def spawn_ranks(
     fn: Callable[..., Any], world_size: int, args: tuple = (), env: dict[str, str] | None = None
 ) -> list[Any]:
-    """Run `fn(rank, *args)` in `world_size` spawned processes; their results in rank order."""
+    """Run `fn(rank, *args)` in `world_size` spawned processes; their results in rank order. SIGTERM
+    here goes on to the ranks, and this process waits for what they make of it (training ranks stop
+    at a step boundary with a checkpoint) instead of dying and taking them with it."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     saved = {k: os.environ.get(k) for k in (env or {})}
@@ -77,6 +81,31 @@ def spawn_ranks(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    with forwarding_sigterm(lambda: [p.pid for p in procs if p.is_alive()]):
+        return _collect(procs, results, world_size)
+
+
+@contextmanager
+def forwarding_sigterm(running: Callable[[], Iterable[int]]) -> Iterator[None]:
+    """SIGTERM to this process is sent on to the processes `running()` names (main thread only, where
+    signals are handled) instead of ending this one."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame) -> None:
+        for pid in running():
+            os.kill(pid, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _collect(procs: list, results, world_size: int) -> list[Any]:
+    """The ranks' results in rank order, or `RankFailed` for the first error or silent death."""
     done: dict[int, Any] = {}
     error = None
     while len(done) < world_size and error is None:
@@ -96,7 +125,7 @@ def spawn_ranks(
     if error is not None:
         for p in procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()  # not SIGTERM: a training rank would only note it and wait for the failed one
     for p in procs:
         p.join()
     if error is not None:
