@@ -62,14 +62,16 @@ def children_of(pid: int) -> list[int]:
     return [child for child, fields in process_stats() if int(fields[1]) == pid]
 
 
-def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill_worker: bool) -> int:
+def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill: str) -> int:
+    """Start `cmd`, and once `min_batches` are committed: SIGKILL its process group or one of its
+    ranks, or SIGTERM the process that started the ranks (which passes it on); -> batches committed."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 240
     while committed_batches(out) < min_batches:
         assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
         assert time.time() < deadline, "no progress"
         time.sleep(0.05)
-    if kill_worker:
+    if kill == "rank":
         # the rank processes only: not the resource tracker, nor a short-lived helper process of the
         # parent (a library calling a shell tool), whose kill would leave the run to finish normally
         workers = sorted(p for p in children_of(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())
@@ -80,12 +82,15 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill_worker: b
         busy = [r for r in range(2) if not progress.get(r, {}).get("done")]
         assert busy, "both ranks finished before the kill"
         os.kill(workers[min(busy, key=lambda r: progress.get(r, {}).get("batches", 0))], signal.SIGKILL)
-    else:
+    elif kill == "group":
         os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
-    if kill_worker:  # the parent notices, stops the other rank and says how to go on
-        assert proc.returncode == 1
-        assert "rerun the same command" in proc.stderr.read().decode()
+    if kill != "group":  # the parent notices, stops the ranks and says how to go on
+        stderr = proc.stderr.read().decode()
+        assert proc.returncode == 1 and "rerun the same command" in stderr, stderr[-2000:]
+        assert kill == "rank" or "was stopped by SIGTERM" in stderr, stderr[-2000:]
     return committed_batches(out)
 
 
@@ -96,13 +101,13 @@ def reference_store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kill_worker,min_batches", [(False, 3), (True, 6)])
-def test_sigkill_then_rerun_is_identical(
-    tiny_target_dir, small_corpus, reference_store, tmp_path, kill_worker, min_batches
+@pytest.mark.parametrize("kill,min_batches", [("group", 3), ("rank", 6), ("sigterm", 3)])
+def test_killed_or_stopped_run_then_rerun_is_identical(
+    tiny_target_dir, small_corpus, reference_store, tmp_path, kill, min_batches
 ):
     out = tmp_path / "store"
     cmd = command(tiny_target_dir, small_corpus, out)
-    committed = run_until_killed(cmd, out, min_batches, kill_worker)
+    committed = run_until_killed(cmd, out, min_batches, kill)
     assert not load_manifest(out).complete
     assert committed >= min_batches
     rerun = subprocess.run(cmd, capture_output=True, text=True)

@@ -229,7 +229,7 @@ def test_killed_fp8_extraction_resumes_identical(tiny_target_dir, small_corpus, 
     cmds = {name: [*command(tiny_target_dir, small_corpus, tmp_path / name), "--store-dtype", "float8_e4m3fn"]
             for name in ("ref", "killed")}  # fmt: skip
     subprocess.run(cmds["ref"], check=True, capture_output=True)
-    assert run_until_killed(cmds["killed"], tmp_path / "killed", 3, kill_worker=False) >= 3
+    assert run_until_killed(cmds["killed"], tmp_path / "killed", 3, kill="group") >= 3
     assert not load_manifest(tmp_path / "killed").complete
     rerun = subprocess.run(cmds["killed"], capture_output=True, text=True)
     assert rerun.returncode == 0 and "resumed" in rerun.stdout, rerun.stderr[-2000:]

@@ -553,33 +553,36 @@ def test_a_crash_during_an_evaluation_loses_no_step_and_the_resumed_run_evaluate
     )
 
 
-@pytest.mark.parametrize("stop_after", [3, 4])
+@pytest.mark.parametrize("arrives", ["step 3", "step 4", "evaluation 4"])
 def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_resumed_run_ends_as_the_uninterrupted_one(
-    store_dir, tmp_path, monkeypatch, stop_after
+    store_dir, tmp_path, monkeypatch, arrives
 ):
-    """SIGTERM (a scheduler's preemption, `timeout`) during step 3, between checkpoints, or step 4, whose
-    evaluation is due: the run stops after that step with one line, its checkpoint written and no final
-    drafter; the resumed run (evaluating step 4 first) ends bit-identical to the uninterrupted one."""
+    """SIGTERM (a scheduler's preemption, `timeout`) during step 3, between checkpoints, during step 4,
+    whose evaluation is due, or during that evaluation: the run stops after that step with one line (the
+    evaluation cut short, nothing of it logged), its checkpoint written and no final drafter; the
+    resumed run (evaluating step 4 first) ends bit-identical to the uninterrupted one."""
     from safetensors.torch import load_file
 
     from dflash_pipeline.train import loop
 
     cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=6, checkpoint_every=5, eval_every=2)
     run_training(cfg)
-    one_step = loop.Trainer.train_step
+    where, step = arrives.split()
+    patched = "train_step" if where == "step" else "eval_context"
+    original = getattr(loop.Trainer, patched)
 
-    def step_while_sigterm_arrives(self, ddp, batch):
-        if self.state.step + 1 == stop_after:
+    def with_sigterm(self, *args):
+        if self.state.step + (where == "step") == int(step):
             os.kill(os.getpid(), signal.SIGTERM)
-        return one_step(self, ddp, batch)
+        return original(self, *args)
 
-    monkeypatch.setattr(loop.Trainer, "train_step", step_while_sigterm_arrives)
+    monkeypatch.setattr(loop.Trainer, patched, with_sigterm)
     handler = signal.getsignal(signal.SIGTERM)
     stopped = tmp_path / "b"
-    with pytest.raises(loop.TrainingStopped, match=f"stopped by SIGTERM after step {stop_after} of 6; .* --resume"):
+    with pytest.raises(loop.TrainingStopped, match=f"stopped by SIGTERM after step {step} of 6; .* --resume"):
         run_training(replace(cfg, out=str(stopped)))
     assert signal.getsignal(signal.SIGTERM) == handler
-    assert (stopped / "checkpoints" / "latest").read_text() == f"step-{stop_after:08d}"
+    assert (stopped / "checkpoints" / "latest").read_text() == f"step-{int(step):08d}"
     assert not (stopped / "drafter").exists()
     assert [r["step"] for r in logged(stopped) if r.get("type") == "eval"] == [2]
     monkeypatch.undo()

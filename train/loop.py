@@ -335,6 +335,8 @@ class Trainer:
         tau, rate = metrics.kept_results()
         if self.evaluation_was_cut(metrics):
             tau = self.log_evaluation(metrics)
+            if tau is None:  # SIGTERM again: the checkpoint resumed from is this step's
+                raise self.stopped()
         ddp = (
             DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             if self.world > 1
@@ -361,18 +363,30 @@ class Trainer:
                 metrics.write(self.step_record(result, rate))
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{rate:,.0f}")
             bar.update(1)
-            if state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps or result.stop:
+            saved = state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps
+            if saved:
                 self.save_checkpoint()  # before the evaluation: a cut while it runs loses no steps
-            if result.stop:  # the resumed run runs this step's evaluation first, if one was due
+            stop = result.stop
+            if not stop and self.evaluation_due(state.step):
+                evaluated = self.log_evaluation(metrics)
+                if evaluated is None:
+                    stop = True
+                else:
+                    tau = evaluated
+            if stop:  # the resumed run runs this step's evaluation first, if one was due
+                if not saved:
+                    self.save_checkpoint()
                 bar.close()
-                raise TrainingStopped(
-                    f"stopped by SIGTERM after step {state.step:,} of {self.total_steps:,}; its checkpoint is "
-                    f"written: {RESUME_HINT}"
-                )
-            if self.evaluation_due(state.step):
-                tau = self.log_evaluation(metrics)
+                raise self.stopped()
         bar.close()
         return tau, rate
+
+    def stopped(self) -> TrainingStopped:
+        """What every rank raises once they agreed to stop: its line says how to go on."""
+        return TrainingStopped(
+            f"stopped by SIGTERM after step {self.state.step:,} of {self.total_steps:,}; its checkpoint is "
+            f"written: {RESUME_HINT}"
+        )
 
     def evaluation_due(self, step: int) -> bool:
         return bool(self.eval_packs) and (step % self.cfg.eval_every == 0 or step == self.total_steps)
@@ -385,10 +399,13 @@ class Trainer:
         lacking = self.rank == 0 and not metrics.has_evaluation(self.state.step)
         return all_sum([float(lacking)], self.device)[0] > 0
 
-    def log_evaluation(self, metrics: MetricsLog) -> float:
-        """`evaluate` at the current step, logged with the seconds it took (`eval_s`); -> its tau."""
+    def log_evaluation(self, metrics: MetricsLog) -> float | None:
+        """`evaluate` at the current step, logged with the seconds it took (`eval_s`); -> its tau, or
+        None where SIGTERM cut it (nothing logged)."""
         start = time.perf_counter()
         held_out = self.evaluate()
+        if held_out is None:
+            return None
         metrics.write(
             {"step": self.state.step, "type": "eval", **held_out, "eval_s": round(time.perf_counter() - start, 3)}
         )
@@ -452,14 +469,17 @@ class Trainer:
         }
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float] | None:
         """The held-out packs of all ranks, the drafter in eval mode: the mean offline acceptance length
         over the drawn anchors (`tau`), the acceptance greedy decoding would see (`tau_decode`, and
-        `tau_decode_head` over each reply's first `eval_decode_head` tokens; unless --no-eval-decode) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as weighted means."""
+        `tau_decode_head` over each reply's first `eval_decode_head` tokens; unless --no-eval-decode) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as weighted means.
+        None on every rank if SIGTERM reached any of them meanwhile: each stops at its next pack."""
         self.model.eval()
         total, count, weight, terms = 0.0, 0, 0.0, {}
         chain = [0, 0, 0, 0]  # tokens and steps of the whole chain, then of its head
         for pack in self.eval_packs:
+            if stop_requested():
+                break
             ctx, blocks_batch = self.eval_context(pack)
             batch, pack_weight, stats = blocks_batch(draw_anchors(ctx, self.spec, self.cfg.seed, EVAL_EPOCH))
             accepted = block_acceptance(batch, stats["pred"], self.spec.block_size)
@@ -470,11 +490,13 @@ class Trainer:
                 terms[key] = terms.get(key, 0.0) + value
             if self.cfg.eval_decode:
                 chain = [a + b for a, b in zip(chain, self.decode_chain_of(ctx, blocks_batch))]
-        total, count, weight, *sums = all_sum(
-            [total, float(count), weight, *map(float, chain), *terms.values()], self.device
+        total, count, weight, *sums, stops = all_sum(
+            [total, float(count), weight, *map(float, chain), *terms.values(), float(stop_requested())], self.device
         )
         (tokens, steps, head_tokens, head_steps), sums = sums[:4], sums[4:]
         self.model.train()
+        if stops:
+            return None
         decode = {
             "tau_decode": tokens / steps if steps else float("nan"),
             "tau_decode_head": head_tokens / head_steps if head_steps else float("nan"),

@@ -116,7 +116,9 @@ def _collect(procs: list, results, world_size: int) -> list[Any]:
                 r for r, p in enumerate(procs) if r not in done and not p.is_alive() and p.exitcode not in (None, 0)
             ]
             if dead:
-                error = f"worker rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+                code = procs[dead[0]].exitcode
+                how = "was stopped by SIGTERM" if code == -signal.SIGTERM else f"died (exit code {code})"
+                error = f"worker rank {dead[0]} {how}"
             continue
         if status == "ok":
             done[rank] = payload
