@@ -18,7 +18,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -95,7 +95,8 @@ def forwarding_sigterm(running: Callable[[], Iterable[int]]) -> Iterator[None]:
 
     def forward(signum, frame) -> None:
         for pid in running():
-            os.kill(pid, signal.SIGTERM)
+            with suppress(ProcessLookupError):  # it ended since `running` looked
+                os.kill(pid, signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, forward)
     try:
