@@ -595,6 +595,40 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_resumed_run_en
     )
 
 
+def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_line(store_dir, tmp_path, monkeypatch):
+    """SIGTERM to a process group reaches the step's helper processes too (a compile's workers: on this
+    CPU a `g++` killed mid-compile failed the first compiled step with a C++ compile error): the run
+    stops with the stop's line, not the helper's error, and resumes from its last checkpoint to end as
+    the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from dflash_pipeline.train import loop
+
+    cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=4, checkpoint_every=2, eval_every=2)
+    run_training(cfg)
+    one_step = loop.Trainer.train_step
+
+    def step_whose_compiler_dies(self, ddp, batch):
+        if self.state.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise RuntimeError("C++ compile error")
+        return one_step(self, ddp, batch)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", step_whose_compiler_dies)
+    stopped = tmp_path / "b"
+    with pytest.raises(loop.TrainingStopped, match=r"SIGTERM during step 3 of 4, .*\(RuntimeError\); .*--resume"):
+        run_training(replace(cfg, out=str(stopped)))
+    assert (stopped / "checkpoints" / "latest").read_text() == f"step-{2:08d}"
+    monkeypatch.undo()
+    run_training(replace(cfg, out=str(stopped), resume=True))
+    assert_same_bits(logged(stopped), logged(Path(cfg.out)), "metrics")
+    assert_same_bits(
+        load_file(stopped / "drafter" / "model.safetensors"),
+        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
+        "drafter",
+    )
+
+
 def spawned_children(pid: int) -> list[int]:
     """The processes `pid` started with multiprocessing's spawn, in start order (Linux /proc)."""
     children = map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())

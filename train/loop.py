@@ -353,7 +353,16 @@ class Trainer:
         for epoch, k, batch in device_batches(
             dataset, self.schedule[state.step : self.total_steps], workers, self.device
         ):
-            result = self.train_step(ddp, batch)
+            try:
+                result = self.train_step(ddp, batch)
+            except Exception as exc:
+                if not stop_requested():
+                    raise
+                bar.close()  # the signal reached the step's helpers too (a compile's workers): it cannot end
+                raise TrainingStopped(
+                    f"stopped by SIGTERM during step {state.step + 1:,} of {self.total_steps:,}, which its helper "
+                    f"processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
+                ) from exc
             state.step += 1
             state.epoch, state.step_in_epoch = epoch, k + 1
             state.last_loss = result.loss
