@@ -62,6 +62,13 @@ def children_of(pid: int) -> list[int]:
     return [child for child, fields in process_stats() if int(fields[1]) == pid]
 
 
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` started with multiprocessing's spawn, in start order: the ranks, not the
+    resource tracker, nor a short-lived helper process of the parent (a library calling a shell tool),
+    whose kill would leave the run to finish normally."""
+    return sorted(p for p in children_of(pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())
+
+
 def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill: str) -> int:
     """Start `cmd`, and once `min_batches` are committed: SIGKILL its process group or one of its
     ranks, or SIGTERM the process that started the ranks (which passes it on); -> batches committed."""
@@ -72,9 +79,7 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill: str) -> 
         assert time.time() < deadline, "no progress"
         time.sleep(0.05)
     if kill == "rank":
-        # the rank processes only: not the resource tracker, nor a short-lived helper process of the
-        # parent (a library calling a shell tool), whose kill would leave the run to finish normally
-        workers = sorted(p for p in children_of(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())
+        workers = spawned_children(proc.pid)
         assert len(workers) == 2, workers  # started in rank order
         # a rank with work left: one that already finished reported its result, and the run would
         # rightly complete without it (seen under CI load, where one rank ran far ahead)

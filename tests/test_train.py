@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_extract_resume import spawned_children
 
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.shared.runtime.launch import free_port, spawn_ranks
@@ -411,6 +412,18 @@ def logged(run: Path) -> list[dict]:
     ]
 
 
+def assert_same_run(run: Path, reference: Path) -> None:
+    """`run` logged the same metrics (timings aside) and saved the same drafter as `reference`, bit for bit."""
+    from safetensors.torch import load_file
+
+    assert_same_bits(logged(run), logged(reference), "metrics")
+    assert_same_bits(
+        load_file(run / "drafter" / "model.safetensors"),
+        load_file(reference / "drafter" / "model.safetensors"),
+        "drafter",
+    )
+
+
 def crashed_copy(
     run: Path, crashed: Path, last_checkpoint: int, final_step: int, logged_through: int, evaluated: bool = True
 ) -> Path:
@@ -443,8 +456,6 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     from them (every random choice has its own seeded generator): scrambling them changes nothing."""
     import copy
     import random
-
-    from safetensors.torch import load_file
 
     from dflash_pipeline.train import checkpoint as ckpt
     from dflash_pipeline.train import loop
@@ -508,12 +519,7 @@ def test_resume_restores_the_saved_state_bit_for_bit(store_dir, tmp_path, monkey
     assert schedules[1] == schedules[0][4:6]  # ...and the resumed run goes on with the 5th
     assert f"metrics.jsonl: line {len(before_crash) + 1} is cut short" in capsys.readouterr().err
 
-    assert_same_bits(logged(crashed), logged(Path(cfg.out)), "metrics")
-    assert_same_bits(
-        load_file(crashed / "drafter" / "model.safetensors"),
-        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
-        "drafter",
-    )
+    assert_same_run(crashed, Path(cfg.out))
     assert result.steps == 6 and not result.already_complete
 
 
@@ -534,7 +540,6 @@ def test_a_crash_during_an_evaluation_loses_no_step_and_the_resumed_run_evaluate
     written before it, so the resumed run goes on from there, runs the lost evaluation first (every
     rank, on rank 0's reading of the log), and its log and drafter end as the uninterrupted run's. A
     crash after the evaluation was logged is not evaluated again."""
-    from safetensors.torch import load_file
 
     cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=4, checkpoint_every=2, eval_every=2)
     cfg = replace(cfg, workers=workers, eval_samples=4 * workers)  # a held-out pack for each rank
@@ -544,13 +549,8 @@ def test_a_crash_during_an_evaluation_loses_no_step_and_the_resumed_run_evaluate
     )
     assert [r["step"] for r in logged(crashed) if r.get("type") == "eval"] == [2, 4][: cut_at // 2 - 1 + evaluated]
     result = run_training(replace(cfg, out=str(crashed), resume=True))
-    assert_same_bits(logged(crashed), logged(Path(cfg.out)), "metrics")
+    assert_same_run(crashed, Path(cfg.out))
     assert result.eval_tau == [r["tau"] for r in logged(Path(cfg.out)) if r.get("type") == "eval"][-1]
-    assert_same_bits(
-        load_file(crashed / "drafter" / "model.safetensors"),
-        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
-        "drafter",
-    )
 
 
 @pytest.mark.parametrize("arrives", ["step 3", "step 4", "evaluation 4"])
@@ -561,7 +561,6 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_resumed_run_en
     whose evaluation is due, or during that evaluation: the run stops after that step with one line (the
     evaluation cut short, nothing of it logged), its checkpoint written and no final drafter; the
     resumed run (evaluating step 4 first) ends bit-identical to the uninterrupted one."""
-    from safetensors.torch import load_file
 
     from dflash_pipeline.train import loop
 
@@ -587,12 +586,7 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_resumed_run_en
     assert [r["step"] for r in logged(stopped) if r.get("type") == "eval"] == [2]
     monkeypatch.undo()
     run_training(replace(cfg, out=str(stopped), resume=True))
-    assert_same_bits(logged(stopped), logged(Path(cfg.out)), "metrics")
-    assert_same_bits(
-        load_file(stopped / "drafter" / "model.safetensors"),
-        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
-        "drafter",
-    )
+    assert_same_run(stopped, Path(cfg.out))
 
 
 def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_line(store_dir, tmp_path, monkeypatch):
@@ -600,7 +594,6 @@ def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_lin
     CPU a `g++` killed mid-compile failed the first compiled step with a C++ compile error): the run
     stops with the stop's line, not the helper's error, and resumes from its last checkpoint to end as
     the uninterrupted run."""
-    from safetensors.torch import load_file
 
     from dflash_pipeline.train import loop
 
@@ -621,18 +614,7 @@ def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_lin
     assert (stopped / "checkpoints" / "latest").read_text() == f"step-{2:08d}"
     monkeypatch.undo()
     run_training(replace(cfg, out=str(stopped), resume=True))
-    assert_same_bits(logged(stopped), logged(Path(cfg.out)), "metrics")
-    assert_same_bits(
-        load_file(stopped / "drafter" / "model.safetensors"),
-        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
-        "drafter",
-    )
-
-
-def spawned_children(pid: int) -> list[int]:
-    """The processes `pid` started with multiprocessing's spawn, in start order (Linux /proc)."""
-    children = map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-    return sorted(c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+    assert_same_run(stopped, Path(cfg.out))
 
 
 @pytest.mark.slow
@@ -868,7 +850,6 @@ def test_dflash2_training_reduces_loss_and_saves_the_reference_model(store_dir, 
 def test_dflash2_resume_continues_with_identical_losses(store_dir, tmp_path):
     """A DFlash-2 run cut after its step-2 checkpoint and resumed ends as the uninterrupted run did, to
     the bit; resuming it as --arch dflash is refused (the saved drafter is a DFlash-2 one)."""
-    from safetensors.torch import load_file
 
     cfg = dflash2_config(store_dir, tmp_path / "a", max_steps=4, checkpoint_every=2, eval_every=2)
     run_training(cfg)
@@ -878,12 +859,7 @@ def test_dflash2_resume_continues_with_identical_losses(store_dir, tmp_path):
     run_training(replace(cfg, out=str(crashed), resume=True))
 
     assert [m["step"] for m in logged(crashed) if "loss" in m] == [1, 2, 3, 4]
-    assert_same_bits(logged(crashed), logged(Path(cfg.out)), "metrics")
-    assert_same_bits(
-        load_file(crashed / "drafter" / "model.safetensors"),
-        load_file(Path(cfg.out) / "drafter" / "model.safetensors"),
-        "drafter",
-    )
+    assert_same_run(crashed, Path(cfg.out))
 
 
 @pytest.mark.slow
