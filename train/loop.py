@@ -82,7 +82,8 @@ class TrainingError(UserError, RuntimeError):
 
 
 class TrainingStopped(TrainingError):
-    """A rank got SIGTERM: every rank stopped after the same step, whose checkpoint is written."""
+    """A rank got SIGTERM: every rank stopped at a step boundary, after the same step with its checkpoint
+    written, or during one whose helper processes the signal ended (its line names which)."""
 
 
 @dataclass
