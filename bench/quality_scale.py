@@ -47,7 +47,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +57,7 @@ from bench.replies_archive import pack_replies, unpack_replies
 from dflash_pipeline.demo import run_step
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import target_location
+from dflash_pipeline.shared.runtime.stop import stop_requested, stopping_on_sigterm
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.train.checkpoint import latest_checkpoint
 from dflash_pipeline.train.config import TrainConfig
@@ -372,17 +372,27 @@ class Evaluation:
 
 def run_parallel(jobs: list[Evaluation], parallel: int) -> Iterator[tuple[Evaluation, int, float]]:
     """Run `jobs` `parallel` at a time, each one's command and output in its log; yields (job, exit
-    code, wall seconds) as each finishes."""
-
-    def run(job: Evaluation) -> tuple[Evaluation, int, float]:
-        t = time.perf_counter()
-        with open(job.log, "w") as f:
-            print(" ".join(job.cmd), file=f, flush=True)
-            code = subprocess.run(job.cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-        return job, code, time.perf_counter() - t
-
-    with ThreadPoolExecutor(parallel) as pool:
-        yield from (done.result() for done in as_completed([pool.submit(run, job) for job in jobs]))
+    code, wall seconds) as each finishes. Inside `stopping_on_sigterm`, after SIGTERM (a plan line's
+    deadline) none starts; the running ones get it too (dflash-eval writes the prompts it finished) and
+    are waited for. A log is appended to: a resumed run's follows the stopped one's."""
+    pending, running = list(jobs), {}
+    while pending and not stop_requested() or running:
+        while pending and len(running) < parallel and not stop_requested():
+            job = pending.pop(0)
+            with open(job.log, "a") as log:
+                print(" ".join(job.cmd), file=log, flush=True)
+                proc = subprocess.Popen(job.cmd, stdout=log, stderr=subprocess.STDOUT)
+            running[proc] = (job, time.perf_counter(), False)
+        for proc, (job, start, told) in list(running.items()):
+            if proc.poll() is not None:
+                del running[proc]
+                yield job, proc.returncode, time.perf_counter() - start
+            elif stop_requested() and not told:  # a signal to this process alone: pass it on
+                proc.terminate()
+                running[proc] = (job, start, True)
+        time.sleep(0.1)
+    if pending:
+        print(f"evaluate: stopped by SIGTERM; not started: {', '.join(job.name for job in pending)}")
 
 
 def evaluate(args) -> None:
@@ -391,13 +401,14 @@ def evaluate(args) -> None:
     contention, tau is not affected. EVALUATIONS_FILE records how many ran at once for each report;
     seconds.json the wall seconds of each batch. A failed one fails the stage once all are done."""
     jobs: dict[str, Evaluation] = {}
-    for run in eval_runs(args):
-        drafter, tag = run_drafter(run)
-        for temperature in args.temperature:
+    runs = eval_runs(args)
+    for temperature in args.temperature:  # as given, every run at each: a stage cut short has all at the first
+        for run in runs:
+            drafter, tag = run_drafter(run)
             method = "_chain" if args.chain else ""
             stem = f"eval_{run.name}{tag}_T{temperature:g}{method}_N{args.max_new_tokens}"
             report = args.out / f"{stem}.json"
-            if report.exists():
+            if report.exists() and read(report).get("complete", True):
                 continue
             cmd = [
                 *CLI,
@@ -420,6 +431,7 @@ def evaluate(args) -> None:
                 str(temperature),
                 "--json",
                 str(report),
+                *(["--resume"] if report.exists() else []),  # one stopped by SIGTERM: the prompts left
             ]
             cmd += (
                 ["--chain", *(["--windows", ",".join(map(str, args.windows))] if args.windows else [])]
@@ -443,7 +455,11 @@ def evaluate(args) -> None:
             if not finished(job, code, seconds, concurrent, args.out / EVALUATIONS_FILE):
                 failed.append(job.name)
 
-    timed(args.out / "seconds.json", f"evaluate ({concurrent} at a time)", run_all)
+    with stopping_on_sigterm():  # run_parallel passes it on and waits for what the runs keep
+        timed(args.out / "seconds.json", f"evaluate ({concurrent} at a time)", run_all)
+        stopped = stop_requested()
+    if stopped:
+        sys.exit("quality_scale evaluate: stopped by SIGTERM; a rerun finishes what was left")
     if failed:
         sys.exit(f"quality_scale evaluate: {len(failed)} of {len(jobs)} failed: {', '.join(failed)}")
 
@@ -457,7 +473,8 @@ def finished(job: Evaluation, code: int, seconds: float, concurrent: int, index:
     if job.report.exists():  # a greedy run that was not lossless fails, but writes its report first
         r = json.loads(job.report.read_text())
         speedup = "" if r["speedup"] is None else f", speedup {r['speedup']:.2f}x"
-        print(f"evaluate {job.name}: tau {r['tau']:.3f}{speedup} in {seconds:.0f} s")
+        part = "" if r.get("complete", True) else f" (stopped: {r['num_prompts']} of {r['prompts_planned']} prompts)"
+        print(f"evaluate {job.name}: tau {r['tau']:.3f}{speedup} in {seconds:.0f} s{part}")
         entries = json.loads(index.read_text()) if index.exists() else {}
         entries[job.report.name] = {"concurrent": concurrent, "seconds": round(seconds, 1), "log": str(job.log)}
         index.write_text(json.dumps(entries, indent=1))
@@ -572,6 +589,7 @@ def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
         "concurrent": index.get(path.name, {}).get("concurrent"),
         "all_lossless": r["all_lossless"],
         "prompts": r["num_prompts"],
+        "complete": r.get("complete", True),
     }
     if domains:
         for d in DOMAINS:

@@ -301,6 +301,86 @@ def test_chain_evaluations_count_what_decoding_counted(scale_run: SimpleNamespac
         main(["evaluate", *evaluate, "--temperature", "1", "--chain"])
 
 
+# put first on a dflash-eval's PYTHONPATH: its first prompt marks the process as started, then waits 3 s
+SLOW_FIRST_PROMPT = """
+import os, pathlib, time
+from dflash_pipeline.shared.generation import speculative
+decode, calls = speculative.dflash_generate, []
+def first_prompt_slow(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:  # after the warm-up
+        pathlib.Path(os.environ["EVAL_STARTED"], str(os.getpid())).touch()
+        time.sleep(3)
+    return decode(*args, **kwargs)
+speculative.dflash_generate = first_prompt_slow
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["stage", "group"])
+def test_evaluate_stopped_by_sigterm_keeps_the_prompts_decoded_and_a_rerun_finishes_them(
+    scale_run: SimpleNamespace, tmp_path: Path, to: str
+) -> None:
+    """SIGTERM to the evaluate stage alone (a scheduler) or to its process group (a plan line's `timeout`)
+    while two of three evaluations run: the third never starts, the two get it (passed on, or from the
+    group too) and write the one prompt each finished (complete: false), and the stage exits 1 saying so.
+    The rerun resumes those two and runs the third; its reports are complete and equal an uninterrupted
+    evaluation's counts."""
+    import signal
+
+    out, hook, started = tmp_path / "out", tmp_path / "hook", tmp_path / "started"
+    for name in ("a", "b", "c"):
+        shutil.copytree(scale_run.out / "on_bf16" / "drafter", out / name / "drafter")
+    hook.mkdir(), started.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_FIRST_PROMPT)
+    evaluate = ["--out", str(out), "--prompts", str(scale_run.prompts), "--device", "cpu", "--limit", "2"]
+    evaluate += ["--target", str(scale_run.target), "--max-new-tokens", "8", "--temperature", "0", "--parallel", "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.quality_scale", "evaluate", *evaluate],
+        cwd=REPO,
+        env={**env, "EVAL_STARTED": str(started)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while len(list(started.iterdir())) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)  # it must pass it on
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert (
+        stderr.strip().splitlines()[-1] == "quality_scale evaluate: stopped by SIGTERM; a rerun finishes what was left"
+    )
+    assert "evaluate: stopped by SIGTERM; not started: c T=0 N=8" in stdout
+    assert stdout.count("(stopped: 1 of 2 prompts)") == 2, stdout
+    reports = {name: out / f"eval_{name}_T0_N8.json" for name in ("a", "b", "c")}
+    assert not reports["c"].exists()
+    kept = {n: json.loads(reports[n].read_text())["per_prompt"] for n in "ab"}
+    assert [len(rows) for rows in kept.values()] == [1, 1]
+    rerun = stage("evaluate", *evaluate)
+    assert rerun.returncode == 0, rerun.stderr
+
+    def last_command(name: str) -> str:
+        log = (out / "logs" / f"eval_{name}_T0_N8.log").read_text()
+        return [line for line in log.splitlines() if line.startswith(sys.executable)][-1]
+
+    assert [last_command(n).endswith(" --resume") for n in "abc"] == [True, True, False]
+    whole = json.loads((scale_run.out / "eval_on_bf16_T0_N8.json").read_text())["per_prompt"]
+    for name, report in reports.items():
+        r = json.loads(report.read_text())
+        assert r["complete"] and [p["accepted"] for p in r["per_prompt"]] == [p["accepted"] for p in whole]
+        assert name == "c" or r["per_prompt"][:1] == kept[name]  # the stopped run's prompt, timings too
+    rows = json.loads(stage("report", "--out", str(out), "--prompts", str(scale_run.prompts)).stdout)["evaluations"]
+    assert [(row["run"], row["complete"], row["prompts"]) for row in rows] == [(n, True, 2) for n in "abc"]
+
+
 @pytest.mark.slow
 def test_ngram_stage_reports_the_copy_drafters_tau(scale_run: SimpleNamespace, tmp_path: Path) -> None:
     where = ["--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -401,12 +402,12 @@ def test_generation_stops_at_a_stop_token(target, tiny_tokenizer):
     assert spec.tokens == ref[: first + 1] == target_generate(target, p, 30, stop).tokens
 
 
-def run_eval(target, tiny_target_dir, prompts_path, tmp_path, *extra: str) -> tuple[dict, str]:
+def invoke_eval(target, tiny_target_dir, prompts_path, tmp_path, *extra: str):
+    """dflash-eval in this process on a random drafter (the same for the same `target`), --limit 3."""
     from dflash_pipeline.train.eval_cli import main
 
     random_drafter(target).save_pretrained(tmp_path / "drafter")
-    report_path = tmp_path / "eval.json"
-    result = CliRunner().invoke(
+    return CliRunner().invoke(
         main,
         [
             "--target",
@@ -424,12 +425,16 @@ def run_eval(target, tiny_target_dir, prompts_path, tmp_path, *extra: str) -> tu
             "--dtype",
             "float32",
             "--json",
-            str(report_path),
+            str(tmp_path / "eval.json"),
             *extra,
         ],
     )
+
+
+def run_eval(target, tiny_target_dir, prompts_path, tmp_path, *extra: str) -> tuple[dict, str]:
+    result = invoke_eval(target, tiny_target_dir, prompts_path, tmp_path, *extra)
     assert result.exit_code == 0, result.output
-    return json.loads(report_path.read_text()), result.output
+    return json.loads((tmp_path / "eval.json").read_text()), result.output
 
 
 def test_dflash_eval_cli_writes_a_lossless_json_report(target, tiny_target_dir, sample_corpus, tmp_path):
@@ -506,3 +511,70 @@ def test_stop_token_ids_include_eos_and_end_of_turn(tiny_tokenizer):
     ids = stop_token_ids(tiny_tokenizer, None)
     assert tiny_tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
     assert stop_token_ids(tiny_tokenizer, [5, 6]) >= {5, 6}
+
+
+def test_sigterm_stops_dflash_eval_after_its_prompt_and_resume_finishes_the_report(
+    target, tiny_target_dir, sample_corpus, tmp_path, monkeypatch
+):
+    """SIGTERM (a deadline's `timeout`) during prompt 2 of 3: that prompt ends, the report of the two done
+    is written as incomplete, exit code 1 with one line; --resume decodes only the third, and the report
+    then has the tokens and counts of an uninterrupted run (each prompt has its own seed)."""
+    import signal
+
+    from dflash_pipeline.shared.generation import speculative
+
+    sampled = ("--temperature", "0.8", "--seed", "3")
+    whole, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path / "whole", *sampled)
+    calls, decode = [], speculative.dflash_generate
+
+    def signalled_in_prompt_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the warm-up, prompt 1, then prompt 2
+            os.kill(os.getpid(), signal.SIGTERM)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(speculative, "dflash_generate", signalled_in_prompt_2)
+    handler = signal.getsignal(signal.SIGTERM)
+    stopped = invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path / "cut", *sampled)
+    report = tmp_path / "cut" / "eval.json"
+    assert stopped.exit_code == 1 and signal.getsignal(signal.SIGTERM) == handler
+    assert stopped.output.splitlines()[-1] == (
+        f"dflash-eval: error: stopped by SIGTERM after 2 of 3 prompts; their report is {report}: "
+        "rerun with --resume to finish it"
+    )
+    part = json.loads(report.read_text())
+    assert (part["complete"], part["num_prompts"], part["prompts_planned"]) == (False, 2, 3)
+
+    def decoded(rows: list[dict]) -> list[tuple]:
+        return [(r["prompt_tokens"], r["dflash_tokens"], r["target_tokens"], r["accepted"]) for r in rows]
+
+    assert decoded(part["per_prompt"]) == decoded(whole["per_prompt"][:2])
+    monkeypatch.setattr(speculative, "dflash_generate", decode)
+    calls.clear()
+    finished, output = run_eval(target, tiny_target_dir, sample_corpus, tmp_path / "cut", *sampled, "--resume")
+    assert finished["per_prompt"][:2] == part["per_prompt"]  # kept as they were, timings too
+    assert decoded(finished["per_prompt"]) == decoded(whole["per_prompt"])
+    assert (finished["complete"], finished["num_prompts"], finished["tau"]) == (True, 3, whole["tau"])
+
+
+def test_dflash_eval_resumes_only_a_report_of_the_same_run(target, tiny_target_dir, sample_corpus, tmp_path):
+    """--resume refuses a report made with other settings or other prompts, in one line each."""
+    first, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path)
+    assert invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--resume").exit_code == 0
+    other = invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--resume", "--temperature", "1")
+    assert other.exit_code == 1 and other.output.splitlines()[-1] == (
+        f"dflash-eval: error: {tmp_path / 'eval.json'}: made with other sampling; "
+        "--resume continues a report of the same run"
+    )
+    shifted = tmp_path / "shifted.jsonl"
+    shifted.write_text("".join(sample_corpus.read_text().splitlines(keepends=True)[1:]))
+    first["prompts"] = str(shifted)
+    (tmp_path / "eval.json").write_text(json.dumps(first))
+    moved = invoke_eval(target, tiny_target_dir, shifted, tmp_path, "--resume")
+    assert moved.exit_code == 1 and moved.output.splitlines()[-1] == (
+        f"dflash-eval: error: {tmp_path / 'eval.json'}: its prompts are not the first 3 of {shifted} now"
+    )
+    from dflash_pipeline.train.eval_cli import main
+
+    no_json = CliRunner().invoke(main, ["--target", "t", "--drafter", "d", "--prompts", "p", "--resume"])
+    assert no_json.exit_code != 0 and "--resume continues a --json report of decoding" in no_json.output

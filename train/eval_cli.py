@@ -7,12 +7,16 @@ as the z-lab reference (`dflash` 0.1.0) counts it: the mean over prompts of each
 acceptance length; `tau_pooled` is all tokens over all verify steps. Reported as JSON.
 `--chain` counts greedy tau without decoding step by step (train/chain_tau.py): the same counts where
 the numerics agree, in seconds for replies of thousands of tokens, and no speedup.
+SIGTERM (a deadline's `timeout`, a scheduler) stops decoding after the prompt in progress: the report
+of the prompts done is written, marked `complete: false`, and `--resume` finishes it. Prompt n's
+outputs depend on n alone (its own seed), so a resumed report has the tokens of an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,7 +32,16 @@ from dflash_pipeline.shared.runtime.config import (
     option,
 )
 from dflash_pipeline.shared.runtime.device import DEVICE_HELP, resolve_device
-from dflash_pipeline.shared.runtime.errors import cli_errors
+from dflash_pipeline.shared.runtime.durable import write_bytes_durably
+from dflash_pipeline.shared.runtime.errors import UserError, cli_errors, first_line
+from dflash_pipeline.shared.runtime.stop import stop_requested, stopping_on_sigterm
+
+# what a resumed report must share with the stopped one, so that its prompts mean the same thing
+RESUME_KEYS = ("target", "drafter", "prompts", "method", "max_new_tokens", "block_size", "dtype", "sampling")
+
+
+class EvaluationStopped(UserError):
+    """SIGTERM stopped decoding between prompts; the prompts done are in the report (complete: false)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,11 @@ class EvalConfig:
         type=IntList(),
         help="With --chain, also tau at these shorter --max-new-tokens, comma-separated (from the same replies).",
     )
+    resume: bool = option(
+        False,
+        help="Finish the --json report of a run stopped by SIGTERM (complete: false), or extend one to a larger "
+        "--limit: its prompts are kept, the rest decoded. Without that file, a fresh run.",
+    )
     max_prompt_tokens: int = 1024  # a prompt's last tokens kept
 
     def __post_init__(self) -> None:
@@ -71,6 +89,8 @@ class EvalConfig:
             raise ConfigError("--windows needs --chain")
         if any(not 1 <= w <= self.max_new_tokens for w in self.windows):
             raise ConfigError(f"--windows must lie in 1..--max-new-tokens ({self.max_new_tokens})")
+        if self.resume and (self.chain or not self.json_path):
+            raise ConfigError("--resume continues a --json report of decoding: it needs --json and no --chain")
 
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -139,14 +159,16 @@ def evaluate(cfg: EvalConfig) -> dict:
         check_config(identity, f"the drafter {drafter_path}", target_path, config_hash(target_config))
     check_drafter_fits(drafter.config, drafter_path, target_path, target_config)
     tokenizer = load_tokenizer(target_path)
+    prompts = prompts_from(prompts_path, tokenizer, cfg.limit, cfg.max_prompt_tokens)
+    if not prompts:
+        raise click.UsageError(f"{prompts_path}: no usable prompts")
+    # --resume: a report of another run is refused before the target's weights are read
+    rows = done_rows(cfg, report_head(cfg, dev, torch_dtype, drafter), prompts) if cfg.resume else []
     target = load_full_target(target_path, device=dev, dtype=torch_dtype)
     if identity is not None:
         check_weights(identity, f"the drafter {drafter_path}", target_path, target)
     stop_ids = stop_token_ids(tokenizer, target.generation_config.eos_token_id)
     capture = HiddenStateCapture(target, drafter.config.target_layer_ids)
-    prompts = prompts_from(prompts_path, tokenizer, cfg.limit, cfg.max_prompt_tokens)
-    if not prompts:
-        raise click.UsageError(f"{prompts_path}: no usable prompts")
     if cfg.chain:
         try:
             return chain_report(cfg, target, drafter, capture, prompts, stop_ids, torch_dtype)
@@ -158,12 +180,14 @@ def evaluate(cfg: EvalConfig) -> dict:
         """Prompt n's random stream: the same for both decoders and any --limit."""
         return torch.Generator(dev).manual_seed(cfg.seed + n)
 
-    # one warm-up of each path so the first measured prompt does not pay for lazy initialisation
-    warm = torch.tensor(prompts[0], device=dev)
-    target_generate(target, warm, 4, stop_ids, sampling, generator(0))
-    dflash_generate(target, drafter, capture, warm, 4, stop_ids, cfg.block_size, sampling, generator(0))
-    rows = []
-    for n, ids in enumerate(prompts):
+    if len(rows) < len(prompts):  # one warm-up of each path: the first prompt timed pays no lazy setup
+        warm = torch.tensor(prompts[0], device=dev)
+        target_generate(target, warm, 4, stop_ids, sampling, generator(0))
+        dflash_generate(target, drafter, capture, warm, 4, stop_ids, cfg.block_size, sampling, generator(0))
+    for n in range(len(rows), len(prompts)):
+        if stop_requested():
+            break
+        ids = prompts[n]
         p = torch.tensor(ids, device=dev)
         base = target_generate(target, p, cfg.max_new_tokens, stop_ids, sampling, generator(n))
         spec = dflash_generate(
@@ -184,24 +208,52 @@ def evaluate(cfg: EvalConfig) -> dict:
         )
     capture.close()
     return {
-        "target": target_path,
-        "drafter": drafter_path,
-        "prompts": prompts_path,
-        "method": "decode",
+        **report_head(cfg, dev, torch_dtype, drafter),
         "num_prompts": len(rows),
-        "max_new_tokens": cfg.max_new_tokens,
-        "block_size": cfg.block_size or drafter.config.block_size,
-        "device": str(dev),
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed},
+        "prompts_planned": len(prompts),
+        "complete": len(rows) == len(prompts),
         **taus([r["accepted"] for r in rows]),
-        "speedup": sum(r["target_s"] for r in rows) / sum(r["dflash_s"] for r in rows),
+        "speedup": sum(r["target_s"] for r in rows) / sum(r["dflash_s"] for r in rows) if rows else None,
         "all_lossless": all(r["lossless"] for r in rows) if sampling.greedy else None,
         "lossless_check": "greedy: dflash_tokens must equal target_tokens"
         if sampling.greedy
         else "skipped: with sampling the two decodings draw different tokens by chance",
         "per_prompt": rows,
     }
+
+
+def report_head(cfg: EvalConfig, dev: torch.device, dtype: torch.dtype, drafter) -> dict:
+    """What a decoding report was made of and how (RESUME_KEYS among them)."""
+    return {
+        "target": cfg.target,
+        "drafter": cfg.drafter,
+        "prompts": cfg.prompts,
+        "method": "decode",
+        "max_new_tokens": cfg.max_new_tokens,
+        "block_size": cfg.block_size or drafter.config.block_size,
+        "device": str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed},
+    }
+
+
+def done_rows(cfg: EvalConfig, head: dict, prompts: list[list[int]]) -> list[dict]:
+    """`--resume`: the rows of the --json report, if it exists, after checking it was made the same way
+    and of the same first prompts."""
+    path = Path(cfg.json_path)
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+        rows = old["per_prompt"]
+        differ = [k for k in RESUME_KEYS if old[k] != head[k]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path}: not a dflash-eval report to resume ({first_line(exc)})") from None
+    if differ:
+        raise UserError(f"{path}: made with other {', '.join(differ)}; --resume continues a report of the same run")
+    if len(rows) > len(prompts) or any(r["prompt_tokens"] != len(p) for r, p in zip(rows, prompts)):
+        raise UserError(f"{path}: its prompts are not the first {len(rows)} of {cfg.prompts} now")
+    return rows
 
 
 def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[int]], stop_ids, dtype) -> dict:
@@ -260,10 +312,19 @@ def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[i
 def main(**opts) -> None:
     """Measure acceptance length and speedup of a drafter; check lossless greedy decoding."""
     cfg = config_from_cli(EvalConfig, opts)
-    report = evaluate(replace(cfg, device=resolve_device("dflash-eval", cfg.device)))
-    if cfg.json_path:
-        Path(cfg.json_path).write_text(json.dumps(report, indent=1))
-    click.echo(json.dumps({k: v for k, v in report.items() if k != "per_prompt"}, indent=1))
+    with nullcontext() if cfg.chain else stopping_on_sigterm():  # --chain's replies are batched: it just dies
+        report = evaluate(replace(cfg, device=resolve_device("dflash-eval", cfg.device)))
+        if cfg.json_path and report["per_prompt"]:
+            write_bytes_durably(Path(cfg.json_path), json.dumps(report, indent=1).encode())
+        click.echo(json.dumps({k: v for k, v in report.items() if k != "per_prompt"}, indent=1))
+        if not report.get("complete", True):
+            done, planned = report["num_prompts"], report["prompts_planned"]
+            kept = (
+                f"their report is {cfg.json_path}: rerun with --resume to finish it" if cfg.json_path and done else ""
+            )
+            raise EvaluationStopped(
+                f"stopped by SIGTERM after {done} of {planned} prompts; {kept or 'nothing was written'}"
+            )
     if report["all_lossless"] is False:
         click.echo("dflash-eval: error: speculative output differs from target greedy output", err=True)
         sys.exit(1)
