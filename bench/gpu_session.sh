@@ -112,10 +112,11 @@ for s in $steps; do
       if [ -n "'"${PACK_INDUCTOR:-}"'" ]; then
         XZ_OPT=-T0 tar -cJf '"$OUT"'/inductor_cache.tar.xz -C $TORCHINDUCTOR_CACHE_DIR . && ls -l '"$OUT"'/inductor_cache.tar.xz || rc=1
       fi
-      # every evaluation with its per-prompt steps (accepted counts per verify step), for analyses here
-      # and their logs (a cut or failed one says there how far it got)
-      mkdir -p '"$OUT"'/evaluations; cp /tmp/qs/run/eval_*.json /tmp/qs/run/ngram_N*.json '"$OUT"'/evaluations/ 2>/dev/null
-      cp -r /tmp/qs/run/logs '"$OUT"'/evaluations/ 2>/dev/null
+      # every evaluation with its per-prompt steps (accepted counts per verify step), for analyses here,
+      # and their logs (a cut or failed one says there how far it got), in one archive: a call brings
+      # back at most 8 files from $OUT (unpack here: tar -xJf evaluations.tar.xz)
+      cd /tmp/qs/run && shopt -s nullglob && files=(eval_*.json ngram_N*.json) && [ -d logs ] && files+=(logs)
+      [ ${#files[@]} -eq 0 ] || tar -cJf '"$OUT"'/evaluations.tar.xz "${files[@]}" || rc=1
       exit $rc' ;;
     # real conversations through regenerate_records with and without prefix reuse, on the SmolLM2 folder
     # that a scale step made on this machine (bench/regenerate.py --chat; CHAT_ARGS appends flags)
