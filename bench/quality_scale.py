@@ -24,7 +24,9 @@ is unaffected, speedup is measured under contention, and the report says how man
 (`concurrent`). `evaluate --runs NAME` picks runs. `evaluate --chain --temperature 0 --max-new-tokens
 2048 --windows 96 256` counts greedy tau along the target's own replies (dflash-eval --chain): the
 reference benchmark's 2,048 new tokens on all held-out prompts in seconds, no speedup. On the GPU machine, `bench/gpu_session.sh scale`
-runs the lines of a plan file (bench/plans/, format in bench/scale_plan.sh) against deadlines.
+runs the lines of a plan file (bench/plans/, format in bench/scale_plan.sh) against deadlines. An
+evaluate stage cut by its deadline (SIGTERM) keeps the prompts each running dflash-eval finished
+(`complete: false` in the report) and starts no more; run again, it resumes those and runs the rest.
 
 Issue 19's ce vs kl on one store: `regenerate --store-topk 16` (the target's top-16 beside the states),
 then `train --name ce --loss ce` and `train --name kl --loss kl` (or `--loss mix --kl-weight W`), and
