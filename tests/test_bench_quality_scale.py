@@ -301,18 +301,18 @@ def test_chain_evaluations_count_what_decoding_counted(scale_run: SimpleNamespac
         main(["evaluate", *evaluate, "--temperature", "1", "--chain"])
 
 
-# put first on a dflash-eval's PYTHONPATH: its first prompt marks the process as started, then waits 3 s
-SLOW_FIRST_PROMPT = """
+# put first on a dflash-eval's PYTHONPATH: its second prompt marks the process as started, then waits 3 s
+SLOW_SECOND_PROMPT = """
 import os, pathlib, time
 from dflash_pipeline.shared.generation import speculative
 decode, calls = speculative.dflash_generate, []
-def first_prompt_slow(*args, **kwargs):
+def second_prompt_slow(*args, **kwargs):
     calls.append(1)
-    if len(calls) == 2:  # after the warm-up
+    if len(calls) == 3:  # after the warm-up and the first prompt
         pathlib.Path(os.environ["EVAL_STARTED"], str(os.getpid())).touch()
         time.sleep(3)
     return decode(*args, **kwargs)
-speculative.dflash_generate = first_prompt_slow
+speculative.dflash_generate = second_prompt_slow
 """
 
 
@@ -322,8 +322,9 @@ def test_evaluate_stopped_by_sigterm_keeps_the_prompts_decoded_and_a_rerun_finis
     scale_run: SimpleNamespace, tmp_path: Path, to: str
 ) -> None:
     """SIGTERM to the evaluate stage alone (a scheduler) or to its process group (a plan line's `timeout`)
-    while two of three evaluations run: the third never starts, the two get it (passed on, or from the
-    group too) and write the one prompt each finished (complete: false), and the stage exits 1 saying so.
+    while two of three evaluations decode their second prompt: the third never starts, the two get it
+    (passed on, or from the group too), drop that prompt and write the first (complete: false), and the
+    stage exits 1 saying so.
     The rerun resumes those two and runs the third; its reports are complete and equal an uninterrupted
     evaluation's counts."""
     import signal
@@ -332,7 +333,7 @@ def test_evaluate_stopped_by_sigterm_keeps_the_prompts_decoded_and_a_rerun_finis
     for name in ("a", "b", "c"):
         shutil.copytree(scale_run.out / "on_bf16" / "drafter", out / name / "drafter")
     hook.mkdir(), started.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_FIRST_PROMPT)
+    (hook / "sitecustomize.py").write_text(SLOW_SECOND_PROMPT)
     evaluate = ["--out", str(out), "--prompts", str(scale_run.prompts), "--device", "cpu", "--limit", "2"]
     evaluate += ["--target", str(scale_run.target), "--max-new-tokens", "8", "--temperature", "0", "--parallel", "2"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}

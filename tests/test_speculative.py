@@ -516,9 +516,10 @@ def test_stop_token_ids_include_eos_and_end_of_turn(tiny_tokenizer):
 def test_sigterm_stops_dflash_eval_after_its_prompt_and_resume_finishes_the_report(
     target, tiny_target_dir, sample_corpus, tmp_path, monkeypatch
 ):
-    """SIGTERM (a deadline's `timeout`) during prompt 2 of 3: that prompt ends, the report of the two done
-    is written as incomplete, exit code 1 with one line; --resume decodes only the third, and the report
-    then has the tokens and counts of an uninterrupted run (each prompt has its own seed)."""
+    """SIGTERM (a deadline's `timeout`) during prompt 2 of 3 stops at once: that prompt is dropped, the
+    report of the one done is written as incomplete, exit code 1 with one line; --resume decodes the other
+    two, and the report then has the tokens and counts of an uninterrupted run (each prompt has its own
+    seed)."""
     import signal
 
     from dflash_pipeline.shared.generation import speculative
@@ -539,20 +540,21 @@ def test_sigterm_stops_dflash_eval_after_its_prompt_and_resume_finishes_the_repo
     report = tmp_path / "cut" / "eval.json"
     assert stopped.exit_code == 1 and signal.getsignal(signal.SIGTERM) == handler
     assert stopped.output.splitlines()[-1] == (
-        f"dflash-eval: error: stopped by SIGTERM after 2 of 3 prompts; their report is {report}: "
+        f"dflash-eval: error: stopped by SIGTERM after 1 of 3 prompts; their report is {report}: "
         "rerun with --resume to finish it"
     )
     part = json.loads(report.read_text())
-    assert (part["complete"], part["num_prompts"], part["prompts_planned"]) == (False, 2, 3)
+    assert (part["complete"], part["num_prompts"], part["prompts_planned"]) == (False, 1, 3)
+    assert len(calls) == 3  # prompt 3 never started
 
     def decoded(rows: list[dict]) -> list[tuple]:
         return [(r["prompt_tokens"], r["dflash_tokens"], r["target_tokens"], r["accepted"]) for r in rows]
 
-    assert decoded(part["per_prompt"]) == decoded(whole["per_prompt"][:2])
+    assert decoded(part["per_prompt"]) == decoded(whole["per_prompt"][:1])
     monkeypatch.setattr(speculative, "dflash_generate", decode)
     calls.clear()
     finished, output = run_eval(target, tiny_target_dir, sample_corpus, tmp_path / "cut", *sampled, "--resume")
-    assert finished["per_prompt"][:2] == part["per_prompt"]  # kept as they were, timings too
+    assert finished["per_prompt"][:1] == part["per_prompt"]  # kept as it was, timings too
     assert decoded(finished["per_prompt"]) == decoded(whole["per_prompt"])
     assert (finished["complete"], finished["num_prompts"], finished["tau"]) == (True, 3, whole["tau"])
 

@@ -7,9 +7,9 @@ as the z-lab reference (`dflash` 0.1.0) counts it: the mean over prompts of each
 acceptance length; `tau_pooled` is all tokens over all verify steps. Reported as JSON.
 `--chain` counts greedy tau without decoding step by step (train/chain_tau.py): the same counts where
 the numerics agree, in seconds for replies of thousands of tokens, and no speedup.
-SIGTERM (a deadline's `timeout`, a scheduler) stops decoding after the prompt in progress: the report
-of the prompts done is written, marked `complete: false`, and `--resume` finishes it. Prompt n's
-outputs depend on n alone (its own seed), so a resumed report has the tokens of an uninterrupted one.
+SIGTERM (a deadline's `timeout`, a scheduler) stops decoding at once, dropping the prompt in progress:
+the report of the prompts done is written, marked `complete: false`, and `--resume` finishes it. Prompt
+n's outputs depend on n alone (its own seed), so a resumed report has the tokens of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from dflash_pipeline.shared.runtime.config import (
 from dflash_pipeline.shared.runtime.device import DEVICE_HELP, resolve_device
 from dflash_pipeline.shared.runtime.durable import write_bytes_durably
 from dflash_pipeline.shared.runtime.errors import UserError, cli_errors, first_line
-from dflash_pipeline.shared.runtime.stop import stop_requested, stopping_on_sigterm
+from dflash_pipeline.shared.runtime.stop import Interrupted, interrupting_on_sigterm, stopping_on_sigterm
 
 # what a resumed report must share with the stopped one, so that its prompts mean the same thing
 RESUME_KEYS = ("target", "drafter", "prompts", "method", "max_new_tokens", "block_size", "dtype", "sampling")
 
 
 class EvaluationStopped(UserError):
-    """SIGTERM stopped decoding between prompts; the prompts done are in the report (complete: false)."""
+    """SIGTERM stopped decoding; the prompts done are in the report (complete: false)."""
 
 
 @dataclass(frozen=True)
@@ -185,14 +185,16 @@ def evaluate(cfg: EvalConfig) -> dict:
         target_generate(target, warm, 4, stop_ids, sampling, generator(0))
         dflash_generate(target, drafter, capture, warm, 4, stop_ids, cfg.block_size, sampling, generator(0))
     for n in range(len(rows), len(prompts)):
-        if stop_requested():
-            break
         ids = prompts[n]
         p = torch.tensor(ids, device=dev)
-        base = target_generate(target, p, cfg.max_new_tokens, stop_ids, sampling, generator(n))
-        spec = dflash_generate(
-            target, drafter, capture, p, cfg.max_new_tokens, stop_ids, cfg.block_size, sampling, generator(n)
-        )
+        try:  # SIGTERM stops at once: the prompt in progress is dropped (a --resume decodes it)
+            with interrupting_on_sigterm():
+                base = target_generate(target, p, cfg.max_new_tokens, stop_ids, sampling, generator(n))
+                spec = dflash_generate(
+                    target, drafter, capture, p, cfg.max_new_tokens, stop_ids, cfg.block_size, sampling, generator(n)
+                )
+        except Interrupted:
+            break
         rows.append(
             {
                 "prompt_tokens": len(ids),

@@ -2,6 +2,8 @@
 
 The handler only records the signal; the training loop looks at step boundaries, where every rank can
 agree to stop at the same step and write its checkpoint, so a stopped run resumes without losing steps.
+Work too long to wait for and cheap to redo (one prompt's decoding) runs inside `interrupting_on_sigterm`,
+where the signal also raises `Interrupted` at once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 _received: list[int] = []
+
+
+class Interrupted(Exception):
+    """SIGTERM arrived inside `interrupting_on_sigterm`."""
 
 
 def stop_requested() -> bool:
@@ -33,3 +39,24 @@ def stopping_on_sigterm() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         _received.clear()
+
+
+@contextmanager
+def interrupting_on_sigterm() -> Iterator[None]:
+    """Inside `stopping_on_sigterm`: SIGTERM, recorded as there, also raises `Interrupted` here at once
+    (on entry too, if one came before), for work whose partial result is dropped, not waited for."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame) -> None:
+        _received.append(signum)
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        if _received:
+            raise Interrupted
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
