@@ -40,7 +40,11 @@ decode step at batch B reads the weights once (the input embedding table exclude
 are gathered) and each row's KV cache: bound tok/s = B / ((weights + B * mean_context * kv_per_token)
 / bandwidth), mean_context = the engine's kv_tokens_read / decode_rows. A second bound charges the
 engine's actual schedule (its under-full tail steps too): (decode_steps * weights + kv_tokens_read *
-kv_per_token) / bandwidth. Both leave prefill out (compute-bound, small next to decode here).
+kv_per_token) / bandwidth. Both leave prefill out and charge bytes only. A third, the roofline, adds the
+matmuls at the rate of a large matmul measured in the same run (2 FLOPs per weight a token goes
+through): per the engine's steps, max(matmuls of the rows, weights read) + KV reads, plus prefill's
+matmuls (`roofline_s`). At hundreds of rows a step's matmuls outlast its weight read, and prefill is
+compute-bound, so the bytes-only bounds sit below what any engine can reach (bench/RESULTS.md run 11).
 Also printed: an end-to-end estimate for the paper's recipe (regeneration at the measured rates;
 extraction and training rates from bench/RESULTS.md, overridable).
 
@@ -167,6 +171,7 @@ def model_bytes(model) -> dict:
     from dflash_pipeline.shared.target.loading import text_config
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() dedups tied weights
+    numel = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb  # identity: meta tensors all have data_ptr 0
@@ -181,6 +186,8 @@ def model_bytes(model) -> dict:
         "tied_embedding": tied,
         "weight_bytes_read_per_step": total if tied else total - emb_bytes,
         "kv_bytes_per_token": kv,
+        # two FLOPs (multiply, add) per weight a token goes through: every one a step reads
+        "matmul_flops_per_token": 2 * (numel if tied else numel - emb.numel()),
     }
 
 
@@ -370,13 +377,10 @@ def schedule_cost(
     from dflash_pipeline.shared.generation.engine import graph_buckets
 
     sizes = with_kv_cache_dtype(qwen3_8b_shape_bytes(), kv_cache_dtype or "bfloat16", "bfloat16")
-    weights, kv = sizes["weight_bytes_read_per_step"], sizes["kv_bytes_per_token"]
-    flops_per_row = weights  # two FLOPs per weight, two bytes per bf16 weight
     buckets = graph_buckets(batch, bucket_step)
     bw, peak = args.cost_bandwidth, args.cost_peak_flops
     roofline = sum(
-        max(flops_per_row * next(b for b in buckets if b >= rows) / peak, weights / bw) + context * kv / bw
-        for rows, context in steps
+        roofline_s(1, next(b for b in buckets if b >= rows), context, 0, sizes, bw, peak) for rows, context in steps
     )
     decode_s = roofline / args.cost_step_efficiency
     prefill_s = sum(tokens for tokens, _ in prefills) / args.cost_prefill_tok_s
@@ -438,6 +442,40 @@ def bound_tok_s(batch: float, mean_context: float, sizes: dict, bandwidth: float
     had to read the weights and those KV caches once at `bandwidth`."""
     step_bytes = sizes["weight_bytes_read_per_step"] + batch * mean_context * sizes["kv_bytes_per_token"]
     return batch / (step_bytes / bandwidth)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, repeats: int = 10) -> float:
+    """FLOP/s of a large square matmul in `dtype` (median of `repeats`): the most a decode step's
+    projections or a prefill can reach."""
+    n = 8192 if device.type == "cuda" else 512
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t)
+    del a, b
+    return 2 * n**3 / statistics.median(times)
+
+
+def roofline_s(
+    steps: int, rows: int, kv_tokens: int, prefill_tokens: int, sizes: dict, bandwidth: float, flops_rate: float
+) -> float:
+    """The least time for `steps` decode steps of `rows` rows in all, reading `kv_tokens` cached tokens,
+    and for prefilling `prefill_tokens` prompt tokens: the matmuls at `flops_rate` but no faster than one
+    read of the weights per step, then the KV reads at `bandwidth` (a step's attention and matmuls run one
+    after the other: each needs the other's output), prefill's matmuls at `flops_rate`. For one step, that
+    step's roofline; for many, max() of the sums is at most the sum of each step's max(): still a bound."""
+    flops, weights = sizes["matmul_flops_per_token"], sizes["weight_bytes_read_per_step"]
+    decode = (
+        max(rows * flops / flops_rate, steps * weights / bandwidth)
+        + kv_tokens * sizes["kv_bytes_per_token"] / bandwidth
+    )
+    return decode + prefill_tokens * flops / flops_rate
 
 
 # ------------------------------------------------------------------ contenders
@@ -1244,6 +1282,7 @@ def main(argv=None) -> dict:
     all_lengths = [L for c in conversations for _, L in c]
     sizes = model_bytes(model)
     bandwidth = copy_bandwidth(device)
+    flops_rate = matmul_rate(device, dtype)
     free(device)
     result = {
         "model": what,
@@ -1277,6 +1316,7 @@ def main(argv=None) -> dict:
             "stop_ids_engine": [],
         },
         "copy_bandwidth_GBps": bandwidth / 1e9,
+        "matmul_TFLOPs": flops_rate / 1e12,
         **sizes,
         "bound_note": "per decode step: weights minus the input embedding table (only gathered) + each row's KV once, "
         "at the copy bandwidth; prefill not charged",
@@ -1436,6 +1476,18 @@ def main(argv=None) -> dict:
             row["schedule_bound_s"] = sched_s
             row["schedule_bound_tok_s"] = row["useful_tokens"] / sched_s
             row["fraction_of_schedule_bound"] = row["tokens_per_s"] / row["schedule_bound_tok_s"]
+            roof_s = roofline_s(
+                st["decode_steps"],
+                st["decode_rows"],
+                st["kv_tokens_read"],
+                st["prefill_tokens"],
+                row_sizes,
+                bandwidth,
+                flops_rate,
+            )
+            row["roofline_s"] = roof_s
+            row["roofline_tok_s"] = row["useful_tokens"] / roof_s
+            row["fraction_of_roofline"] = row["tokens_per_s"] / row["roofline_tok_s"]
         if row["sampling"] == "greedy" and row["batch"] == args.batch[0]:
             for b, base in hf.items():
                 row[f"greedy_agreement_hf_batch{b}"] = greedy_agreement(row["_tokens"], base["_tokens"])
@@ -1473,7 +1525,8 @@ def print_summary(result: dict, args) -> None:
         f"{wl['reply_tokens']['mean']:.0f} (1..{args.max_reply}), each ending at its drawn length"
     )
     print(
-        f"copy bandwidth {result['copy_bandwidth_GBps']:,.0f} GB/s; weights {human_bytes(result['weight_bytes'])} "
+        f"copy bandwidth {result['copy_bandwidth_GBps']:,.0f} GB/s; matmul {result['matmul_TFLOPs']:,.0f} TFLOP/s; "
+        f"weights {human_bytes(result['weight_bytes'])} "
         f"({human_bytes(result['weight_bytes_read_per_step'])} read per step: embedding table excluded); "
         f"KV {human_bytes(result['kv_bytes_per_token'])}/token"
     )
@@ -1481,7 +1534,7 @@ def print_summary(result: dict, args) -> None:
     print(
         f"{'contender':<46}{'reqs':>5}{'tokens':>10}{'tok/s':>8}"
         + "".join(f"{'/HF' + str(b):>8}" for b in hf_batches)
-        + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}"
+        + f"{'ctx':>6}{'rows':>6}{'bound':>9}{'frac':>5}{'sched':>9}{'frac':>5}{'roof':>9}{'frac':>5}"
     )
     for r in result["engine"]:
         name = f"engine {r['sampling']} B={r['batch']} s={r['bucket_step']} p={r['admit_page_fraction']:.3g}"
@@ -1494,6 +1547,7 @@ def print_summary(result: dict, args) -> None:
             line += (
                 f"{r['mean_context']:>6.0f}{r.get('mean_active_rows', float('nan')):>6.0f}{r['bound_tok_s']:>9,.0f}"
                 f"{r['fraction_of_bound']:>5.0%}{r['schedule_bound_tok_s']:>9,.0f}{r['fraction_of_schedule_bound']:>5.0%}"
+                f"{r['roofline_tok_s']:>9,.0f}{r['fraction_of_roofline']:>5.0%}"
             )
         print(line)
     for r in result["hf_generate"]:
@@ -1501,7 +1555,7 @@ def print_summary(result: dict, args) -> None:
         print(f"{name:<46}{r['requests']:>5}{r['useful_tokens']:>10,}{r['tokens_per_s']:>8,.0f}")
     print(
         "ctx: mean context per decode row; rows: mean active rows per step; bound: B rows at ctx; "
-        "sched: the engine's own steps (prefill uncharged)"
+        "sched: the engine's own steps (prefill uncharged); roof: its steps and prefill with matmuls at the matmul rate"
     )
     for r in result["engine"]:
         notes = [

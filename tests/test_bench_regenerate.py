@@ -62,6 +62,8 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
     # tiny target: 4 layers x 2 kv heads x head_dim 16, float32
     assert result["kv_bytes_per_token"] == 2 * 4 * 2 * 16 * 4
     assert result["weight_bytes_read_per_step"] < result["weight_bytes"]  # untied: the embedding table is left out
+    assert result["matmul_flops_per_token"] == 2 * result["weight_bytes_read_per_step"] // 4  # 4-byte weights
+    assert result["matmul_TFLOPs"] > 0
 
     assert [(r["batch"], r["sampling"]) for r in result["engine"]] == [(4, "greedy"), (4, "sampled")]
     for row in result["engine"]:
@@ -70,6 +72,12 @@ def test_bench_regenerate_smoke(tmp_path: Path) -> None:
         assert row["stats"]["requests"] == 6  # this call's counters only, not the warm-up's
         assert row["tokens_per_s"] > 0 and row["bound_tok_s"] > 0 and row["schedule_bound_tok_s"] > 0
         assert 0 < row["fraction_of_bound"] and 0 < row["fraction_of_schedule_bound"]
+        # the roofline charges the schedule's bytes and the matmuls on top: never less time than the bytes alone
+        st, flops = row["stats"], result["matmul_flops_per_token"]
+        assert row["roofline_s"] >= row["schedule_bound_s"] + st["prefill_tokens"] * flops / (
+            result["matmul_TFLOPs"] * 1e12
+        )
+        assert row["fraction_of_roofline"] == pytest.approx(row["roofline_s"] / row["seconds"])
         assert row["mean_active_rows"] <= 4
         assert {"vs_hf_batch32", "vs_hf_batch256"} <= set(row)
     # float32 on CPU: the engine's greedy replies are HF's
