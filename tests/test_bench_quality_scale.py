@@ -324,15 +324,15 @@ def test_evaluate_stopped_by_sigterm_keeps_the_prompts_decoded_and_a_rerun_finis
     """SIGTERM to the evaluate stage alone (a scheduler) or to its process group (a plan line's `timeout`)
     while two of three evaluations decode their second prompt: the third never starts, the two get it
     (passed on, or from the group too), drop that prompt and write the first (complete: false), and the
-    stage exits 1 saying so.
-    The rerun resumes those two and runs the third; its reports are complete and equal an uninterrupted
-    evaluation's counts."""
+    stage exits 1 saying so. The rerun resumes those two and runs the third; its reports are complete and
+    equal an uninterrupted evaluation's counts."""
     import signal
 
     out, hook, started = tmp_path / "out", tmp_path / "hook", tmp_path / "started"
     for name in ("a", "b", "c"):
         shutil.copytree(scale_run.out / "on_bf16" / "drafter", out / name / "drafter")
-    hook.mkdir(), started.mkdir()
+    hook.mkdir()
+    started.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_SECOND_PROMPT)
     evaluate = ["--out", str(out), "--prompts", str(scale_run.prompts), "--device", "cpu", "--limit", "2"]
     evaluate += ["--target", str(scale_run.target), "--max-new-tokens", "8", "--temperature", "0", "--parallel", "2"]

@@ -513,7 +513,7 @@ def test_stop_token_ids_include_eos_and_end_of_turn(tiny_tokenizer):
     assert stop_token_ids(tiny_tokenizer, [5, 6]) >= {5, 6}
 
 
-def test_sigterm_stops_dflash_eval_after_its_prompt_and_resume_finishes_the_report(
+def test_sigterm_stops_dflash_eval_at_once_and_resume_finishes_the_report(
     target, tiny_target_dir, sample_corpus, tmp_path, monkeypatch
 ):
     """SIGTERM (a deadline's `timeout`) during prompt 2 of 3 stops at once: that prompt is dropped, the
@@ -553,7 +553,7 @@ def test_sigterm_stops_dflash_eval_after_its_prompt_and_resume_finishes_the_repo
     assert decoded(part["per_prompt"]) == decoded(whole["per_prompt"][:1])
     monkeypatch.setattr(speculative, "dflash_generate", decode)
     calls.clear()
-    finished, output = run_eval(target, tiny_target_dir, sample_corpus, tmp_path / "cut", *sampled, "--resume")
+    finished, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path / "cut", *sampled, "--resume")
     assert finished["per_prompt"][:1] == part["per_prompt"]  # kept as it was, timings too
     assert decoded(finished["per_prompt"]) == decoded(whole["per_prompt"])
     assert (finished["complete"], finished["num_prompts"], finished["tau"]) == (True, 3, whole["tau"])
@@ -561,6 +561,8 @@ def test_sigterm_stops_dflash_eval_after_its_prompt_and_resume_finishes_the_repo
 
 def test_dflash_eval_resumes_only_a_report_of_the_same_run(target, tiny_target_dir, sample_corpus, tmp_path):
     """--resume refuses a report made with other settings or other prompts, in one line each."""
+    from dflash_pipeline.train.eval_cli import main
+
     first, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path)
     assert invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--resume").exit_code == 0
     other = invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--resume", "--temperature", "1")
@@ -576,7 +578,5 @@ def test_dflash_eval_resumes_only_a_report_of_the_same_run(target, tiny_target_d
     assert moved.exit_code == 1 and moved.output.splitlines()[-1] == (
         f"dflash-eval: error: {tmp_path / 'eval.json'}: its prompts are not the first 3 of {shifted} now"
     )
-    from dflash_pipeline.train.eval_cli import main
-
     no_json = CliRunner().invoke(main, ["--target", "t", "--drafter", "d", "--prompts", "p", "--resume"])
     assert no_json.exit_code != 0 and "--resume continues a --json report of decoding" in no_json.output
