@@ -560,11 +560,13 @@ def test_sigterm_stops_dflash_eval_at_once_and_resume_finishes_the_report(
 
 
 def test_dflash_eval_resumes_only_a_report_of_the_same_run(target, tiny_target_dir, sample_corpus, tmp_path):
-    """--resume refuses a report made with other settings or other prompts, in one line each."""
+    """--resume extends a finished report to a larger --limit, keeping its prompts as they are; it refuses a
+    report made with other settings or other prompts, in one line each."""
     from dflash_pipeline.train.eval_cli import main
 
     first, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path)
-    assert invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--resume").exit_code == 0
+    longer, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--resume", "--limit", "4")
+    assert (longer["num_prompts"], longer["complete"]) == (4, True) and longer["per_prompt"][:3] == first["per_prompt"]
     other = invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--resume", "--temperature", "1")
     assert other.exit_code == 1 and other.output.splitlines()[-1] == (
         f"dflash-eval: error: {tmp_path / 'eval.json'}: made with other sampling; "
