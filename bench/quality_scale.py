@@ -372,26 +372,27 @@ class Evaluation:
     report: Path
 
 
-def run_parallel(jobs: list[Evaluation], parallel: int) -> Iterator[tuple[Evaluation, int, float]]:
+def run_parallel(
+    jobs: list[Evaluation], parallel: int, running: dict[subprocess.Popen, tuple[Evaluation, float]]
+) -> Iterator[tuple[Evaluation, int, float]]:
     """Run `jobs` `parallel` at a time, each one's command and output in its log; yields (job, exit
-    code, wall seconds) as each finishes. Inside `stopping_on_sigterm`, after SIGTERM (a plan line's
-    deadline) none starts; the running ones get it too (dflash-eval writes the prompts it finished) and
-    are waited for. A log is appended to: a resumed run's follows the stopped one's."""
-    pending, running = list(jobs), {}
+    code, wall seconds) as each finishes. `running` holds the processes running now (job, start), for
+    the caller's SIGTERM handler to send the signal on to; after SIGTERM (`stop_requested`) none
+    starts. A log is appended to: a resumed run's follows the stopped one's."""
+    pending = list(jobs)
     while pending and not stop_requested() or running:
         while pending and len(running) < parallel and not stop_requested():
             job = pending.pop(0)
             with open(job.log, "a") as log:
                 print(" ".join(job.cmd), file=log, flush=True)
                 proc = subprocess.Popen(job.cmd, stdout=log, stderr=subprocess.STDOUT)
-            running[proc] = (job, time.perf_counter(), False)
-        for proc, (job, start, told) in list(running.items()):
+            running[proc] = (job, time.perf_counter())
+            if stop_requested():  # it came while this one started, before the handler could see it
+                proc.terminate()
+        for proc, (job, start) in list(running.items()):
             if proc.poll() is not None:
                 del running[proc]
                 yield job, proc.returncode, time.perf_counter() - start
-            elif stop_requested() and not told:  # a signal to this process alone: pass it on
-                proc.terminate()
-                running[proc] = (job, start, True)
         time.sleep(0.1)
     if pending:
         print(f"evaluate: stopped by SIGTERM; not started: {', '.join(job.name for job in pending)}")
@@ -452,12 +453,15 @@ def evaluate(args) -> None:
     concurrent, failed = min(args.parallel, len(jobs)), []
     print(f"== evaluate: {len(jobs)} dflash-eval runs, {concurrent} at a time, each logged in {args.out / 'logs'}")
 
+    running: dict[subprocess.Popen, tuple[Evaluation, float]] = {}
+
     def run_all() -> None:
-        for job, code, seconds in run_parallel(list(jobs.values()), concurrent):
+        for job, code, seconds in run_parallel(list(jobs.values()), concurrent, running):
             if not finished(job, code, seconds, concurrent, args.out / EVALUATIONS_FILE):
                 failed.append(job.name)
 
-    with stopping_on_sigterm():  # run_parallel passes it on and waits for what the runs keep
+    # SIGTERM goes on to the runs (dflash-eval writes the prompts it finished), which are waited for
+    with stopping_on_sigterm(forward_to=lambda: [proc.pid for proc in running if proc.poll() is None]):
         timed(args.out / "seconds.json", f"evaluate ({concurrent} at a time)", run_all)
         stopped = stop_requested()
     if stopped:

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from dflash_pipeline.data import sample_corpus_path
-from dflash_pipeline.shared.runtime.launch import forwarding_sigterm
+from dflash_pipeline.shared.runtime.stop import stopping_on_sigterm
 
 
 def run_step(step: str, args: list[str]) -> None:
@@ -30,7 +30,7 @@ def run_step(step: str, args: list[str]) -> None:
     def running() -> list[int]:
         return [proc.pid] if proc.poll() is None else []
 
-    with forwarding_sigterm(running):  # the stage stops itself (dflash-train after a checkpoint): wait
+    with stopping_on_sigterm(forward_to=running):  # the stage stops itself (dflash-train after a checkpoint): wait
         code = proc.wait()
     if code != 0:
         click.echo(f"{step} failed (exit code {code})", err=True)

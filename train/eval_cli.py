@@ -162,8 +162,9 @@ def evaluate(cfg: EvalConfig) -> dict:
     prompts = prompts_from(prompts_path, tokenizer, cfg.limit, cfg.max_prompt_tokens)
     if not prompts:
         raise click.UsageError(f"{prompts_path}: no usable prompts")
+    head = report_head(cfg, dev, torch_dtype, drafter)
     # --resume: a report of another run is refused before the target's weights are read
-    rows = done_rows(cfg, report_head(cfg, dev, torch_dtype, drafter), prompts) if cfg.resume else []
+    rows = done_rows(cfg, head, prompts) if cfg.resume else []
     target = load_full_target(target_path, device=dev, dtype=torch_dtype)
     if identity is not None:
         check_weights(identity, f"the drafter {drafter_path}", target_path, target)
@@ -210,7 +211,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         )
     capture.close()
     return {
-        **report_head(cfg, dev, torch_dtype, drafter),
+        **head,
         "num_prompts": len(rows),
         "prompts_planned": len(prompts),
         "complete": len(rows) == len(prompts),

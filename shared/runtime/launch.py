@@ -15,16 +15,15 @@ import queue
 import signal
 import socket
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
 from dflash_pipeline.shared.runtime.errors import UserError, debugging, first_line
 from dflash_pipeline.shared.runtime.progress import close_progress_bars
+from dflash_pipeline.shared.runtime.stop import stopping_on_sigterm
 
 
 class RankFailed(RuntimeError):
@@ -81,28 +80,8 @@ def spawn_ranks(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    with forwarding_sigterm(lambda: [p.pid for p in procs if p.is_alive()]):
+    with stopping_on_sigterm(forward_to=lambda: [p.pid for p in procs if p.is_alive()]):
         return _collect(procs, results, world_size)
-
-
-@contextmanager
-def forwarding_sigterm(running: Callable[[], Iterable[int]]) -> Iterator[None]:
-    """SIGTERM to this process is sent on to the processes `running()` names (main thread only, where
-    signals are handled) instead of ending this one."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def forward(signum, frame) -> None:
-        for pid in running():
-            with suppress(ProcessLookupError):  # it ended since `running` looked
-                os.kill(pid, signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, forward)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _collect(procs: list, results, world_size: int) -> list[Any]:

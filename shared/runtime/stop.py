@@ -8,10 +8,11 @@ where the signal also raises `Interrupted` at once.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 
 _received: list[int] = []
 
@@ -26,14 +27,22 @@ def stop_requested() -> bool:
 
 
 @contextmanager
-def stopping_on_sigterm() -> Iterator[None]:
-    """Record SIGTERM instead of dying by it, for the duration (main thread only: elsewhere signals
-    cannot be handled, and the default stays)."""
+def stopping_on_sigterm(forward_to: Callable[[], Iterable[int]] = tuple) -> Iterator[None]:
+    """Record SIGTERM instead of dying by it, for the duration, and send it on to the processes
+    `forward_to()` names (children that stop themselves, which this one then waits for). Main thread
+    only: elsewhere signals cannot be handled, and the default stays."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+
+    def record(signum, frame) -> None:
+        _received.append(signum)
+        for pid in forward_to():
+            with suppress(ProcessLookupError):  # it ended since `forward_to` looked
+                os.kill(pid, signal.SIGTERM)
+
     _received.clear()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _received.append(signum))
+    previous = signal.signal(signal.SIGTERM, record)
     try:
         yield
     finally:
