@@ -15,7 +15,13 @@ is compared with a device-to-device copy of a ~4 GB tensor (bytes read + written
 masked SDPA) over the kernel. The sweep times split-K factors and (num_warps, num_stages, maxnreg)
 so the defaults can be checked; `default` is what `paged_decode_attention` runs (`default_config`);
 on fp8 pages that converts them to float16, and `q_dtype_dots` times the same launch converting them
-to q's bfloat16 instead.
+to q's bfloat16 instead. `--layout` (repeatable, LAYOUTS) stores the pages with their axes in another
+order, the same kernel reading them through their strides. The question it answers: the fp8 kernel
+reads at ~0.54 of the copy bandwidth where bf16 pages reach ~0.95 (run 11), and its probabilities x
+values dot reduces over tokens, which lie 1 KB apart in the engine's pages; shared-memory matrix loads
+transpose 16-bit elements on the way into the tensor cores but not 8-bit ones. With the values stored
+token-minor (`vt`) that reduction runs along contiguous bytes, so whether the transpose is the gap is
+measured before the engine's cache changes its layout.
 
     python -m bench.decode_attention --json result.json
 """
@@ -43,9 +49,16 @@ def draw_lengths(b: int, mean: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def make_pool(
-    lengths: torch.Tensor, page: int, max_pages: int, gen: torch.Generator, device, kv_dtype: torch.dtype
+    lengths: torch.Tensor,
+    page: int,
+    max_pages: int,
+    gen: torch.Generator,
+    device,
+    kv_dtype: torch.dtype,
+    layout: str = "thd",
 ) -> dict:
-    """K/V pages (`kv_dtype`) for these lengths, each row's pages at random places in the pool (plus 5% spare)."""
+    """K/V pages (`kv_dtype`, stored as LAYOUTS[layout]) for these lengths, each row's pages at random places
+    in the pool (plus 5% spare)."""
     b = len(lengths)
     pages_per_row = (lengths + page - 1) // page
     num_pages = int(pages_per_row.sum() * 1.05) + 1
@@ -55,10 +68,31 @@ def make_pool(
     for r, n in enumerate(pages_per_row.tolist()):
         table[r, :n] = perm[start : start + n].to(torch.int32)
         start += n
-    shape = (num_pages, page, KV_HEADS, HEAD_DIM)
-    k = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_().to(kv_dtype)
-    v = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_().to(kv_dtype)
+    k, v = (page_view(num_pages, page, kv_dtype, device, order) for order in LAYOUTS[layout])
     return {"k": k, "v": v, "table": table.to(device)}
+
+
+# where each page's (token, kv head, dim) axes lie in memory, slowest first, for K and for V: the kernel
+# reads pages through their strides, so a layout is only a view of [pages, page, kv_heads, head_dim]
+LAYOUTS = {
+    "thd": ("thd", "thd"),  # the engine's cache
+    "vt": ("thd", "hdt"),  # V with the token axis contiguous (the reduction axis of its dot with P)
+    "htd": ("htd", "htd"),  # each kv head's page one contiguous tile
+    "htd_vt": ("htd", "hdt"),
+}
+
+
+def stored_as(pages: torch.Tensor, order: str) -> torch.Tensor:
+    """The same [num_pages, page, kv_heads, head_dim] pages, stored with their axes in `order` (of t, h, d,
+    slowest first) and viewed in the original order."""
+    stored = pages.permute(0, *(1 + "thd".index(axis) for axis in order)).contiguous()
+    return stored.permute(0, *(1 + order.index(axis) for axis in "thd"))
+
+
+def page_view(num_pages: int, page: int, kv_dtype: torch.dtype, device, order: str) -> torch.Tensor:
+    """Random pages stored with their axes in `order`, viewed as [num_pages, page, KV_HEADS, HEAD_DIM]."""
+    pages = torch.empty((num_pages, page, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=device).normal_()
+    return stored_as(pages.to(kv_dtype), order)
 
 
 def time_graph(calls, replays: int) -> float:
@@ -122,7 +156,7 @@ def copy_bandwidth(gigabytes: float, repeats: int = 10) -> float:
     return 2 * n * 2 / statistics.median(times)
 
 
-def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, args, copy_bps: float, seed: int) -> dict:
+def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, layout: str, args, copy_bps: float, seed: int) -> dict:
     from dflash_pipeline.shared.generation.paged_attention import (
         _default_splits,
         _default_stages,
@@ -137,7 +171,7 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, args, copy_bps: float,
     gen = torch.Generator().manual_seed(seed)
     lengths_cpu = draw_lengths(b, mean, gen)
     lengths = lengths_cpu.to(DEVICE, torch.int32)
-    pools = [make_pool(lengths_cpu, page, max_pages, gen, DEVICE, kv_dtype) for _ in range(args.pools)]
+    pools = [make_pool(lengths_cpu, page, max_pages, gen, DEVICE, kv_dtype, layout) for _ in range(args.pools)]
     q = torch.randn(b, HEADS, HEAD_DIM, generator=gen).to(DEVICE, torch.bfloat16)
     scale = HEAD_DIM**-0.5
     elem = kv_dtype.itemsize
@@ -175,6 +209,7 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, args, copy_bps: float,
     result = {
         "batch": b,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "layout": layout,
         "mean_context_target": mean,
         "mean_context": float(lengths_cpu.float().mean()),
         "min_context": int(lengths_cpu.min()),
@@ -256,6 +291,13 @@ def main() -> None:
         default=None,
         help="dtype of the K/V pages, repeatable (an fp8 KV cache: converted as the kernel reads it) [default: bfloat16]",
     )
+    ap.add_argument(
+        "--layout",
+        choices=list(LAYOUTS),
+        action="append",
+        default=None,
+        help="how K and V pages lie in memory (LAYOUTS), repeatable [default: thd, the engine's]",
+    )
     ap.add_argument("--pools", type=int, default=4, help="K/V pools rotated through (L2 never holds a launch's pages)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--reference-replays", type=int, default=10)
@@ -296,12 +338,15 @@ def main() -> None:
         "dtype": "bfloat16",  # q's; each shape's kv_dtype is its pages'
         "shapes": [],
     }
-    for (i, b), (j, mean), kv in itertools.product(
-        enumerate(batches), enumerate(means), [getattr(torch, d) for d in args.kv_dtype or ["bfloat16"]]
+    for (i, b), (j, mean), kv, layout in itertools.product(
+        enumerate(batches),
+        enumerate(means),
+        [getattr(torch, d) for d in args.kv_dtype or ["bfloat16"]],
+        args.layout or ["thd"],
     ):
-        r = bench_shape(b, mean, kv, args, copy_bps, seed=1000 * i + j)
+        r = bench_shape(b, mean, kv, layout, args, copy_bps, seed=1000 * i + j)
         print(
-            f"b={b} mean={mean} {r['kv_dtype']} pages: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
+            f"b={b} mean={mean} {r['kv_dtype']} pages, layout {layout}: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
             f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference"
             + (f"; pages in q's dtype {r['q_dtype_dots']['vs_copy']:.3f} of copy" if "q_dtype_dots" in r else ""),
             file=sys.stderr,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.decode_attention import stored_as
 from dflash_pipeline.shared.generation.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
 
@@ -265,6 +266,12 @@ def _interpreter_cases() -> None:
         after = _paged_decode_attention_triton(q, k, v, table, lengths.to(torch.int64), 0.25, num_splits=splits)
         assert torch.equal(after[[0, 1, 3, 4]], before[[0, 1, 3, 4]])
         torch.testing.assert_close(after.double(), naive(q, k, v, table, lengths, 0.25), rtol=1e-5, atol=1e-6)
+    # pages stored in another axis order are read through their strides
+    case = make_case(5, 8, 2, 16, 16, 4, torch.float32, seed=11)
+    for order in ("hdt", "htd"):
+        q, k, v, table, lengths = case
+        got = _paged_decode_attention_triton(q, stored_as(k, order), stored_as(v, order), table, lengths, 0.25)
+        torch.testing.assert_close(got.double(), naive(*case, 0.25), rtol=1e-5, atol=1e-6)
     # fp8 pages and a bfloat16 q: float16 dots by default, q clamped to float16's range (1e5 -> 65504)
     q, k, v, table, lengths = make_case(6, 8, 2, 16, 16, 4, torch.bfloat16, seed=3)
     q[0, 0, :2] = torch.tensor([1e5, -1e5])
@@ -295,6 +302,17 @@ def test_triton_kernel_under_interpreter():
         pytest.skip(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"
     assert "interpreter cases passed" in proc.stdout
+
+
+@BOTH_CPU_PATHS
+@pytest.mark.parametrize("order", ["hdt", "htd"])
+def test_pages_are_read_through_their_strides(attention, order):
+    """Pages stored with their axes in another order (e.g. values token-minor, a candidate layout for an
+    fp8 cache) are the same pages: the same attention, unread NaN slots still unread."""
+    q, k, v, table, lengths = make_case(7, 8, 2, 16, 4, 5, torch.float32, seed=22)
+    got = attention(q, stored_as(k, order), stored_as(v, order), table, lengths, 0.25)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, attention(q, k, v, table, lengths, 0.25))
 
 
 @BOTH_CPU_PATHS

@@ -6,9 +6,10 @@ shared pool, found through its row of `block_table`, so memory follows the real 
 kernel reads each row's own `lengths[r]` tokens only. Decode attention is memory-bound, so the bytes
 read are the time spent.
 
-Layout: `k_pages`/`v_pages` [num_pages, page_size, num_kv_heads, head_dim]; token t of row r is at
-`k_pages[block_table[r, t // page_size], t % page_size]`. GQA as HF's `repeat_kv`: query head h uses
-kv head `h // (num_heads // num_kv_heads)`.
+Layout: `k_pages`/`v_pages` [num_pages, page_size, num_kv_heads, head_dim] with any strides (every
+path reads them through their strides, so pages may be stored with their axes in another order);
+token t of row r is at `k_pages[block_table[r, t // page_size], t % page_size]`. GQA as HF's
+`repeat_kv`: query head h uses kv head `h // (num_heads // num_kv_heads)`.
 
 - `paged_decode_attention`: the Triton kernel on CUDA tensors; elsewhere (the CPU) one SDPA call per
   row over exactly its own tokens, gathered page by page: no host-sync rule to keep without CUDA
@@ -138,7 +139,8 @@ def _paged_decode_attention_rows(
         pages = block_table[row, : -(-n // page_size)].long()
         # 4-d [1, kv_heads, n, head_dim] views: SDPA's CPU flash kernel takes them as they are
         k, v = (
-            gather(t, pages, q.dtype).view(-1, kv_heads, head_dim)[None, :n].transpose(1, 2) for t in (k_pages, v_pages)
+            gather(t, pages, q.dtype).reshape(-1, kv_heads, head_dim)[None, :n].transpose(1, 2)
+            for t in (k_pages, v_pages)
         )
         out[row] = F.scaled_dot_product_attention(
             q[row, None, :, None], k, v, scale=scale, enable_gqa=heads != kv_heads

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.decode_attention import stored_as
 from dflash_pipeline.shared.generation.paged_attention import (
     _paged_decode_attention_triton,
     paged_decode_attention,
@@ -118,16 +119,19 @@ def test_kernel_equals_reference(dtype, shape, splits):
         assert err < 1e-2
 
 
+@pytest.mark.parametrize("value_order", ["thd", "hdt"])
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[5], SHAPES[6]], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype,f16_dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, f16_dots, shape, splits):
+def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, f16_dots, shape, splits, value_order):
     """An fp8 KV cache: the kernel converts each page as it loads it, so it computes the attention
     over the pages converted to q's dtype (NaN-poisoned unread slots stay unread in fp8 too); with
-    f16_dots (the default for a 16-bit q), to float16 (at least as precise as bfloat16 for fp8 values)."""
+    f16_dots (the default for a 16-bit q), to float16 (at least as precise as bfloat16 for fp8 values).
+    Values stored token-minor (hdt, a candidate layout for an fp8 cache: `bench.decode_attention --layout
+    vt`) give the same attention: the kernel reads pages through their strides."""
     case = make_case(*shape, dtype, seed=sum(shape) + 1)
     q, k, v, table, lengths = case
-    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    k8, v8 = k.to(torch.float8_e4m3fn), stored_as(v.to(torch.float8_e4m3fn), value_order)
     scale = shape[3] ** -0.5
     out = _paged_decode_attention_triton(q, k8, v8, table, lengths, scale, num_splits=splits, f16_dots=f16_dots)
     if splits is None and f16_dots == (dtype != torch.float32):  # the public path takes the same launch
