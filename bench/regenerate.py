@@ -65,6 +65,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -412,23 +413,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_seconds(work: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall seconds of `work()` over `repeats` runs after three warm-up runs, the device
+    synchronized around each."""
+    for _ in range(3):
+        work()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        work()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def copy_bandwidth(device: torch.device, repeats: int = 10) -> float:
     """Bytes read + written per second by a device-to-device copy of a large tensor (median of
     `repeats` copies): the memory bandwidth a decode step can use."""
     nbytes = (2 << 30) if device.type == "cuda" else (128 << 20)
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t)
-    del src, dst
-    return 2 * nbytes / statistics.median(times)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), device, repeats)
 
 
 def with_kv_cache_dtype(sizes: dict, cache_dtype: str, model_dtype: str) -> dict:
@@ -449,17 +455,7 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, repeats: int = 10) -> 
     projections or a prefill can reach."""
     n = 8192 if device.type == "cuda" else 512
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        a @ b
-        sync(device)
-        times.append(time.perf_counter() - t)
-    del a, b
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / median_seconds(lambda: a @ b, device, repeats)
 
 
 def roofline_s(
