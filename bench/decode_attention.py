@@ -16,12 +16,10 @@ masked SDPA) over the kernel. The sweep times split-K factors and (num_warps, nu
 so the defaults can be checked; `default` is what `paged_decode_attention` runs (`default_config`);
 on fp8 pages that converts them to float16, and `q_dtype_dots` times the same launch converting them
 to q's bfloat16 instead. `--layout` (repeatable, LAYOUTS) stores the pages with their axes in another
-order, the same kernel reading them through their strides. The question it answers: the fp8 kernel
-reads at ~0.54 of the copy bandwidth where bf16 pages reach ~0.95 (run 11), and its probabilities x
-values dot reduces over tokens, which lie 1 KB apart in the engine's pages; shared-memory matrix loads
-transpose 16-bit elements on the way into the tensor cores but not 8-bit ones. With the values stored
-token-minor (`vt`) that reduction runs along contiguous bytes, so whether the transpose is the gap is
-measured before the engine's cache changes its layout.
+order, the same kernel reading them through their strides: whether the fp8 kernel's gap to the copy
+bandwidth (~0.54 on the H200 where bf16 pages reach ~0.95, run 11) was the transpose of fp8 values on
+their way into the tensor cores. It was not: values stored token-minor (`vt`) made the kernel 1.7x
+slower on fp8 pages and 1.3x on bf16 ones (run 12, bench/RESULTS.md).
 
     python -m bench.decode_attention --json result.json
 """
