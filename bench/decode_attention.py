@@ -15,11 +15,13 @@ is compared with a device-to-device copy of a ~4 GB tensor (bytes read + written
 masked SDPA) over the kernel. The sweep times split-K factors and (num_warps, num_stages, maxnreg)
 so the defaults can be checked; `default` is what `paged_decode_attention` runs (`default_config`);
 on fp8 pages that converts them to float16, and `q_dtype_dots` times the same launch converting them
-to q's bfloat16 instead. `--layout` (repeatable, LAYOUTS) stores the pages with their axes in another
-order, the same kernel reading them through their strides: whether the fp8 kernel's gap to the copy
-bandwidth (~0.54 on the H200 where bf16 pages reach ~0.95, run 11) was the transpose of fp8 values on
-their way into the tensor cores. It was not: values stored token-minor (`vt`) made the kernel 1.7x
-slower on fp8 pages and 1.3x on bf16 ones (run 12, bench/RESULTS.md).
+to q's bfloat16 instead; `whole_value_pages` times the launch of that name (each value page loaded
+whole, its tail zeroed in registers rather than by a masked load). `--layout` (repeatable, LAYOUTS)
+stores the pages with their axes in another order, the same kernel reading them through their strides:
+whether the fp8 kernel's gap to the copy bandwidth (~0.54 on the H200 where bf16 pages reach ~0.95,
+run 11) was the transpose of fp8 values on their way into the tensor cores. Not so: values stored
+token-minor (`vt`) made the kernel 1.7x slower on fp8 pages and 1.3x on bf16 ones (run 12,
+bench/RESULTS.md): their masked load then leaves the software pipeline (sm_90 code compiled offline).
 
     python -m bench.decode_attention --json result.json
 """
@@ -200,6 +202,10 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, layout: str, args, cop
     )
     if kv_dtype == torch.float8_e4m3fn:  # the same launch with the pages in q's dtype (not the default)
         result_q_dtype = row(time_graph(kernel_calls(f16_dots=False), args.replays))
+    whole_v = row(time_graph(kernel_calls(whole_value_pages=True), args.replays))  # not the default
+    out_whole_v = _paged_decode_attention_triton(
+        q, p0["k"], p0["v"], p0["table"], lengths, scale, whole_value_pages=True
+    )
     ref_calls = [
         lambda p=p: paged_decode_attention_reference(q, p["k"], p["v"], p["table"], lengths, scale) for p in pools
     ]
@@ -225,6 +231,10 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, layout: str, args, cop
         "default": default,
         "reference": row(ref_s),
         "speedup_vs_reference": ref_s / (default["us"] / 1e6),
+        "whole_value_pages": {
+            **whole_v,
+            "rel_err_vs_reference": ((out_whole_v.float() - ref.float()).norm() / ref.float().norm()).item(),
+        },
     }
     if kv_dtype == torch.float8_e4m3fn:
         out_q = _paged_decode_attention_triton(q, p0["k"], p0["v"], p0["table"], lengths, scale, f16_dots=False)
@@ -346,7 +356,8 @@ def main() -> None:
         print(
             f"b={b} mean={mean} {r['kv_dtype']} pages, layout {layout}: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
             f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference"
-            + (f"; pages in q's dtype {r['q_dtype_dots']['vs_copy']:.3f} of copy" if "q_dtype_dots" in r else ""),
+            + (f"; pages in q's dtype {r['q_dtype_dots']['vs_copy']:.3f} of copy" if "q_dtype_dots" in r else "")
+            + f"; value pages loaded whole {r['whole_value_pages']['vs_copy']:.3f} of copy",
             file=sys.stderr,
             flush=True,
         )
