@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from bench import emit
-from bench.decode_attention import HEAD_DIM, HEADS, LAYOUTS, page_view
+from bench.decode_attention import HEAD_DIM, HEADS, LAYOUTS, MAX_LEN, page_view
 from dflash_pipeline.shared.generation import paged_attention
 
 _TRITON_TYPES = {
@@ -48,10 +48,11 @@ class _Recorder:
 
 
 def recorded_launch(kv_dtype: torch.dtype, layout: str, whole_value_pages: bool, page: int = 64) -> tuple:
-    """(args, meta) of the kernel call the launch makes for one row batch of this variant."""
+    """(args, meta) of the kernel call the launch makes for a few rows of bench.decode_attention's
+    shapes (the batch size and the lengths are runtime values: they change nothing compiled)."""
     q = torch.zeros(4, HEADS, HEAD_DIM, dtype=torch.bfloat16)
     k, v = (page_view(8, page, kv_dtype, "cpu", order) for order in LAYOUTS[layout])
-    table = torch.zeros(4, 40, dtype=torch.int32)
+    table = torch.zeros(4, -(-MAX_LEN // page), dtype=torch.int32)
     lengths = torch.full((4,), 550, dtype=torch.int32)
     calls = []
     recorder = types.SimpleNamespace(attn=_Recorder(calls))
