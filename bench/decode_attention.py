@@ -191,7 +191,14 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, layout: str, args, cop
     p0 = pools[0]
     out = paged_decode_attention(q, p0["k"], p0["v"], p0["table"], lengths, scale)
     ref = paged_decode_attention_reference(q, p0["k"], p0["v"], p0["table"], lengths, scale)
-    rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+    def error(got: torch.Tensor) -> float:
+        return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+    def launch_variant(**kw) -> dict:
+        """A launch other than the default: its time, and its relative error on pool 0."""
+        got = _paged_decode_attention_triton(q, p0["k"], p0["v"], p0["table"], lengths, scale, **kw)
+        return {**row(time_graph(kernel_calls(**kw), args.replays)), "rel_err_vs_reference": error(got)}
 
     default_splits = _default_splits(b, KV_HEADS, max_pages, q.device)
     default = row(
@@ -199,12 +206,6 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, layout: str, args, cop
             [lambda p=p: paged_decode_attention(q, p["k"], p["v"], p["table"], lengths, scale) for p in pools],
             args.replays,
         )
-    )
-    if kv_dtype == torch.float8_e4m3fn:  # the same launch with the pages in q's dtype (not the default)
-        result_q_dtype = row(time_graph(kernel_calls(f16_dots=False), args.replays))
-    whole_v = row(time_graph(kernel_calls(whole_value_pages=True), args.replays))  # not the default
-    out_whole_v = _paged_decode_attention_triton(
-        q, p0["k"], p0["v"], p0["table"], lengths, scale, whole_value_pages=True
     )
     ref_calls = [
         lambda p=p: paged_decode_attention_reference(q, p["k"], p["v"], p["table"], lengths, scale) for p in pools
@@ -222,7 +223,7 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, layout: str, args, cop
         "bytes": nbytes,
         "pools": len(pools),
         "pool_bytes_total": pool_bytes,
-        "rel_err_vs_reference": rel_err,
+        "rel_err_vs_reference": error(out),
         "default_config": {
             "splits": default_splits,
             "num_warps": _default_warps(page, HEAD_DIM),
@@ -231,17 +232,10 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, layout: str, args, cop
         "default": default,
         "reference": row(ref_s),
         "speedup_vs_reference": ref_s / (default["us"] / 1e6),
-        "whole_value_pages": {
-            **whole_v,
-            "rel_err_vs_reference": ((out_whole_v.float() - ref.float()).norm() / ref.float().norm()).item(),
-        },
+        "whole_value_pages": launch_variant(whole_value_pages=True),
     }
-    if kv_dtype == torch.float8_e4m3fn:
-        out_q = _paged_decode_attention_triton(q, p0["k"], p0["v"], p0["table"], lengths, scale, f16_dots=False)
-        result["q_dtype_dots"] = {
-            **result_q_dtype,
-            "rel_err_vs_reference": ((out_q.float() - ref.float()).norm() / ref.float().norm()).item(),
-        }
+    if kv_dtype == torch.float8_e4m3fn:  # the same launch with the pages in q's dtype (not the default)
+        result["q_dtype_dots"] = launch_variant(f16_dots=False)
     if not args.no_sweep:
         sweep = []
         for splits in args.splits:

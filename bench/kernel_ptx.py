@@ -77,8 +77,8 @@ def compile_launch(args: tuple, meta: dict, arch: int):
     names = kernel.arg_names
     options = {key: meta.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in meta}
     signature, constants, attrs = {}, dict(meta), {}
-    for name, value in zip(names, args):
-        index = (names.index(name),)
+    for i, (name, value) in enumerate(zip(names, args)):
+        index = (i,)
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPES[value.dtype]
             if value.data_ptr() % 16 == 0:

@@ -313,8 +313,8 @@ def test_triton_kernel_under_interpreter():
 @BOTH_CPU_PATHS
 @pytest.mark.parametrize("order", ["hdt", "htd"])
 def test_pages_are_read_through_their_strides(attention, order):
-    """Pages stored with their axes in another order (e.g. values token-minor, a candidate layout for an
-    fp8 cache) are the same pages: the same attention, unread NaN slots still unread."""
+    """Pages stored with their axes in another order (e.g. values token-minor, `bench.decode_attention
+    --layout vt`) are the same pages: the same attention, unread NaN slots still unread."""
     q, k, v, table, lengths = make_case(7, 8, 2, 16, 4, 5, torch.float32, seed=22)
     got = attention(q, stored_as(k, order), stored_as(v, order), table, lengths, 0.25)
     assert torch.isfinite(got).all()
