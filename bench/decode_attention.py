@@ -15,13 +15,14 @@ is compared with a device-to-device copy of a ~4 GB tensor (bytes read + written
 masked SDPA) over the kernel. The sweep times split-K factors and (num_warps, num_stages, maxnreg)
 so the defaults can be checked; `default` is what `paged_decode_attention` runs (`default_config`);
 on fp8 pages that converts them to float16, and `q_dtype_dots` times the same launch converting them
-to q's bfloat16 instead; `whole_value_pages` times the launch of that name (each value page loaded
-whole, its tail zeroed in registers rather than by a masked load). `--layout` (repeatable, LAYOUTS)
-stores the pages with their axes in another order, the same kernel reading them through their strides:
-whether the fp8 kernel's gap to the copy bandwidth (~0.54 on the H200 where bf16 pages reach ~0.95,
-run 11) was the transpose of fp8 values on their way into the tensor cores. Not so: values stored
-token-minor (`vt`) made the kernel 1.7x slower on fp8 pages and 1.3x on bf16 ones (run 12,
-bench/RESULTS.md): their masked load then leaves the software pipeline (sm_90 code compiled offline).
+to q's bfloat16 instead. `--layout` (repeatable, LAYOUTS) stores the pages with their axes in
+another order, the same kernel reading them through their strides: whether the fp8 kernel's gap to
+the copy bandwidth (~0.54 on the H200 where bf16 pages reach ~0.95, run 11) was the transpose of fp8
+values on their way into the tensor cores. Not so: values stored token-minor (`vt`) made the kernel
+1.7x slower on fp8 pages and 1.3x on bf16 ones (run 12, bench/RESULTS.md): their masked load then
+leaves the software pipeline (sm_90 code compiled offline, bench.kernel_ptx). The masked load also
+reads fp8 values from shared memory a byte at a time; loading value pages whole instead (tails zeroed
+by a select, a float16 round trip through shared memory in its place) ran at 0.89x (run 13).
 
     python -m bench.decode_attention --json result.json
 """
@@ -232,7 +233,6 @@ def bench_shape(b: int, mean: int, kv_dtype: torch.dtype, layout: str, args, cop
         "default": default,
         "reference": row(ref_s),
         "speedup_vs_reference": ref_s / (default["us"] / 1e6),
-        "whole_value_pages": launch_variant(whole_value_pages=True),
     }
     if kv_dtype == torch.float8_e4m3fn:  # the same launch with the pages in q's dtype (not the default)
         result["q_dtype_dots"] = launch_variant(f16_dots=False)
@@ -350,8 +350,7 @@ def main() -> None:
         print(
             f"b={b} mean={mean} {r['kv_dtype']} pages, layout {layout}: default {r['default']['us']:.1f} us, {r['default']['GBps']:.0f} GB/s = "
             f"{r['default']['vs_copy']:.3f} of copy, {r['speedup_vs_reference']:.1f}x the reference"
-            + (f"; pages in q's dtype {r['q_dtype_dots']['vs_copy']:.3f} of copy" if "q_dtype_dots" in r else "")
-            + f"; value pages loaded whole {r['whole_value_pages']['vs_copy']:.3f} of copy",
+            + (f"; pages in q's dtype {r['q_dtype_dots']['vs_copy']:.3f} of copy" if "q_dtype_dots" in r else ""),
             file=sys.stderr,
             flush=True,
         )

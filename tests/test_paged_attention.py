@@ -272,12 +272,6 @@ def _interpreter_cases() -> None:
         q, k, v, table, lengths = case
         got = _paged_decode_attention_triton(q, stored_as(k, order), stored_as(v, order), table, lengths, 0.25)
         torch.testing.assert_close(got.double(), naive(*case, 0.25), rtol=1e-5, atol=1e-6)
-    # value pages loaded whole, the tail past each row's length (NaN-poisoned) zeroed in registers
-    for dtype in (torch.float32, torch.float16):
-        case = make_case(6, 8, 2, 16, 16, 4, dtype, seed=13)
-        got = _paged_decode_attention_triton(*case, 0.25, num_splits=2, whole_value_pages=True)
-        assert torch.isfinite(got).all(), "whole value pages let the poisoned tail in"
-        assert rel_err(got, naive(*case, 0.25)) < (1e-5 if dtype == torch.float32 else 2e-3)
     # fp8 pages and a bfloat16 q: float16 dots by default, q clamped to float16's range (1e5 -> 65504)
     q, k, v, table, lengths = make_case(6, 8, 2, 16, 16, 4, torch.bfloat16, seed=3)
     q[0, 0, :2] = torch.tensor([1e5, -1e5])

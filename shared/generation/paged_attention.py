@@ -229,7 +229,6 @@ def _paged_decode_attention_triton(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     f16_dots: bool | None = None,
-    whole_value_pages: bool = False,
 ) -> torch.Tensor:
     """The Triton launch (also runs on CPU tensors under TRITON_INTERPRET=1). `num_splits` None
     picks the split-K factor from shapes, `num_stages`/`num_warps` None their defaults below;
@@ -238,11 +237,7 @@ def _paged_decode_attention_triton(
     float16 (q clamped to float16's range): fp8 -> f16 is one packed instruction per two elements on
     sm_89+, where fp8 -> bf16 goes through float32, and every cached byte is converted (measured on an
     H100: 1.21x the kernel's speed, bench/RESULTS.md). float16 holds every fp8 value exactly and has
-    more mantissa than bfloat16. `whole_value_pages` loads each value page whole and zeroes the tokens
-    past the row's length in registers instead of masking the load: compiled for sm_90, the masked
-    load makes an fp8 kernel read the values' dot operand from shared memory one byte at a time
-    (`ld.shared.b8`), the select a 16-bit copy through shared memory read back by `ldmatrix.trans`
-    (unmeasured: bench.decode_attention times both). The knobs are for the benchmark and tests."""
+    more mantissa than bfloat16. The knobs are for the benchmark and tests."""
     _check(q, k_pages, v_pages, block_table, lengths)
     fp8_pages_16bit_q = k_pages.dtype == KV_FP8 and q.dtype != torch.float32
     if f16_dots is None:
@@ -280,7 +275,6 @@ def _paged_decode_attention_triton(
         HEAD_DIM=head_dim,
         IEEE=q.dtype == torch.float32,
         F16_DOTS=f16_dots,
-        WHOLE_V=whole_value_pages,
         CHUNK=min(_CHUNK, _next_pow2(-(-max_pages // splits))),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -395,7 +389,6 @@ def _kernels():
         HEAD_DIM: tl.constexpr,
         IEEE: tl.constexpr,
         F16_DOTS: tl.constexpr,
-        WHOLE_V: tl.constexpr,
         SPLIT: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
@@ -443,10 +436,10 @@ def _kernels():
                 # an fp8 cache's pages become q's dtype here (a no-op for a cache in q's dtype; float16
                 # with F16_DOTS, q converted above)
                 k = tl.load(k_tile + page * s_kp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-                if WHOLE_V:  # the launch's `whole_value_pages`
-                    v = tl.where(tok_ok[:, None], tl.load(v_tile + page * s_vp), 0.0).to(q.dtype)
-                else:
-                    v = tl.load(v_tile + page * s_vp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+                # a masked load, though with fp8 pages it reads the dot operand from shared memory a byte at
+                # a time: the page loaded whole, its tail zeroed by a select, ran at 0.89x (fp8) and 0.95x
+                # (bf16) the kernel's speed on an H100 (bench/RESULTS.md, regeneration run 13)
+                v = tl.load(v_tile + page * s_vp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:

@@ -92,22 +92,18 @@ SHAPES = [  # b, heads, kv_heads, head_dim, page, max_len
 ]
 
 
-@pytest.mark.parametrize("whole_value_pages", [False, True])
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_reference(dtype, shape, splits, whole_value_pages):
-    """Also with the value pages loaded whole (`whole_value_pages`): their NaN tails are zeroed in registers."""
+def test_kernel_equals_reference(dtype, shape, splits):
     b, heads, kv_heads, head_dim, page, max_len = shape
     case = make_case(*shape, dtype, seed=sum(shape))
     scale = head_dim**-0.5
     out = torch.full_like(case[0], float("nan"))
-    if splits is None and not whole_value_pages:
+    if splits is None:
         got = paged_decode_attention(*case, scale, out=out)
     else:
-        got = _paged_decode_attention_triton(
-            *case, scale, out=out, num_splits=splits, whole_value_pages=whole_value_pages
-        )
+        got = _paged_decode_attention_triton(*case, scale, out=out, num_splits=splits)
     assert got is out
     assert torch.isfinite(out).all(), "NaN in the output: an element unwritten or an unread slot read"
     if dtype == torch.float32:
@@ -123,29 +119,22 @@ def test_kernel_equals_reference(dtype, shape, splits, whole_value_pages):
         assert err < 1e-2
 
 
-@pytest.mark.parametrize("whole_value_pages", [False, True])
 @pytest.mark.parametrize("value_order", ["thd", "hdt"])
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[5], SHAPES[6]], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype,f16_dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_kernel_reads_fp8_pages_as_the_pages_converted_first(
-    dtype, f16_dots, shape, splits, value_order, whole_value_pages
-):
+def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, f16_dots, shape, splits, value_order):
     """An fp8 KV cache: the kernel converts each page as it loads it, so it computes the attention
     over the pages converted to q's dtype (NaN-poisoned unread slots stay unread in fp8 too); with
     f16_dots (the default for a 16-bit q), to float16 (at least as precise as bfloat16 for fp8 values).
     Values stored token-minor (hdt: `bench.decode_attention --layout vt`) give the same attention: the
-    kernel reads pages through their strides; so do value pages loaded whole (`whole_value_pages`),
-    their poisoned tails zeroed in registers."""
+    kernel reads pages through their strides."""
     case = make_case(*shape, dtype, seed=sum(shape) + 1)
     q, k, v, table, lengths = case
     k8, v8 = k.to(torch.float8_e4m3fn), stored_as(v.to(torch.float8_e4m3fn), value_order)
     scale = shape[3] ** -0.5
-    out = _paged_decode_attention_triton(
-        q, k8, v8, table, lengths, scale, num_splits=splits, f16_dots=f16_dots, whole_value_pages=whole_value_pages
-    )
-    # the public path takes the same launch
-    if splits is None and f16_dots == (dtype != torch.float32) and not whole_value_pages:
+    out = _paged_decode_attention_triton(q, k8, v8, table, lengths, scale, num_splits=splits, f16_dots=f16_dots)
+    if splits is None and f16_dots == (dtype != torch.float32):  # the public path takes the same launch
         assert torch.equal(paged_decode_attention(q, k8, v8, table, lengths, scale), out)
     assert torch.isfinite(out).all()
     converted = (q, k8.to(dtype), v8.to(dtype), table, lengths)
