@@ -4,7 +4,7 @@
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
 # .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels
 # (a superset, downloaded by bench/carry_assets.py).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention topk regenerate smoke stash_a quality scale chat
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention topk regenerate smoke stash_a stash_c quality scale chat
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
@@ -15,6 +15,9 @@
 # SCALE_TRAIN_FLAGS, e.g. --no-compile-drafter, is appended to each of its train lines);
 # PACK_REPLIES=NAME makes the scale step end by packing store NAME's replies into $OUT/replies_NAME.tar.xz
 # (bench/replies_archive.py; moved into .carry_b/scale, a plan's `regenerate --replies-archive` starts from it).
+# An archive too big to ride with .carry_b (the temperature-1 replies: 13.3 MiB beside .carry_b's 57 MiB) goes
+# in .carry_c/scale instead: a call carrying .carry_c runs `stash_c` (keeps it in /tmp/carry_scale) between
+# the stash_a call and the scale calls, which take it into the plan's prompts folder.
 # The scale step compiles into /tmp/qs/inductor (TORCHINDUCTOR_CACHE_DIR; the trainer's first start on a bare
 # machine took >151 s, a resumed one 45 s): PACK_INDUCTOR=1 ends it by packing that cache into
 # $OUT/inductor_cache.tar.xz; moved to .carry_a/, stash_a keeps it and the next machine's scale step starts warm.
@@ -80,6 +83,9 @@ for s in $steps; do
       mkdir -p /tmp/smollm2 /tmp/carry_wheels; cp .carry_a/smollm2/* /tmp/smollm2/
       cp .carry_a/wheels/*.whl /tmp/carry_wheels/; ls -l /tmp/smollm2 /tmp/carry_wheels
       if [ -f .carry_a/inductor_cache.tar.xz ]; then cp .carry_a/inductor_cache.tar.xz /tmp/; fi' ;;
+    stash_c) step stash_c 60 bash -c '
+      set -e; [ -d .carry_c/scale ] || { echo "no .carry_c/scale: carry .carry_c"; exit 1; }
+      mkdir -p /tmp/carry_scale; cp .carry_c/scale/* /tmp/carry_scale/; ls -l /tmp/carry_scale' ;;
     quality) step quality 480 bash -c '
       set -e; join_smollm2; rm -rf /tmp/quality
       python3 -m bench.quality --device cuda --gguf $d/$name --prompts .carry_b/smollm2 --out /tmp/quality \
@@ -101,6 +107,7 @@ for s in $steps; do
       if [ ! -d $TORCHINDUCTOR_CACHE_DIR ] && [ -f /tmp/inductor_cache.tar.xz ]; then
         mkdir -p $TORCHINDUCTOR_CACHE_DIR && tar -xJf /tmp/inductor_cache.tar.xz -C $TORCHINDUCTOR_CACHE_DIR
       fi
+      if [ -d /tmp/carry_scale ]; then cp /tmp/carry_scale/* .carry_b/scale/; fi  # stash_c
       [ -d /tmp/qs/target ] || python3 -c "import sys; from pathlib import Path; from bench.compression import smollm2_folder; smollm2_folder(Path(\"/tmp/qs/target\"), Path(sys.argv[1]))" $d/$name
       set +e; bash bench/scale_plan.sh "${SCALE_PLAN:-bench/plans/scale_dflash_dflash2.plan}" /tmp/qs/run .carry_b/scale \
         /tmp/qs/target '"$OUT"'/quality_scale.json $t0
