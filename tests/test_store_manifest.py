@@ -115,6 +115,28 @@ def test_resume_differences_ignore_what_completion_fills_in():
     ]
 
 
+def test_resume_differences_name_the_nested_setting_that_changed():
+    """One line per changed leaf of nested settings, not the two whole dicts; a field only one side has
+    is said to be absent."""
+    plan = {"layer_ids": [1, 9], "compute_dtype": "bfloat16", "compiled": True}
+    sampled = {"method": "sampled", "temperature": 1.0, "seed": 0}
+    running = make_manifest(settings={"plan": plan, "regenerate": sampled})
+    rerun = make_manifest(
+        settings={"plan": {**plan, "compute_dtype": "float32"}, "regenerate": {**sampled, "temperature": 0.7}}
+    )
+    assert resume_differences(running, rerun) == [
+        "settings.plan.compute_dtype: 'bfloat16' -> 'float32'",
+        "settings.regenerate.temperature: 1.0 -> 0.7",
+    ]
+    greedy = make_manifest(settings={"plan": plan, "regenerate": None})
+    assert resume_differences(greedy, running) == [
+        "settings.regenerate: None -> (absent)",
+        "settings.regenerate.method: (absent) -> 'sampled'",
+        "settings.regenerate.seed: (absent) -> 0",
+        "settings.regenerate.temperature: (absent) -> 1.0",
+    ]
+
+
 def test_resume_differences_compare_what_paths_name_not_how_they_were_typed():
     running = make_manifest(target={**TARGET, "name_or_path": "models/q", "location": "/abs/models/q"})
     respelled = make_manifest(

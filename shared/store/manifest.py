@@ -211,25 +211,37 @@ _SET_AT_COMPLETION = {
 # through a symlink) must resume, so what they name is compared through `data.fingerprint` (content)
 # and `target.location` (the resolved target) instead.
 _AS_TYPED = {"data.paths", "target.name_or_path"}
+_NOT_COMPARED = _SET_AT_COMPLETION | _AS_TYPED
 
 
 def resume_differences(existing: Manifest, fresh: Manifest) -> list[str]:
-    """What differs between a store's manifest and the one a rerun would write ("field: old -> new");
-    empty when the rerun may continue the store."""
+    """What differs between a store's manifest and the one a rerun would write, one "field: old -> new"
+    per leaf of the nested settings (so a message names the one knob that changed, not two whole
+    dicts); empty when the rerun may continue the store."""
+
+    def leaves(value: Any, key: str) -> dict[str, Any]:
+        if isinstance(value, dict) and value:
+            return {k: v for name, item in value.items() for k, v in leaves(item, f"{key}.{name}").items()}
+        return {key: value}
 
     def flat(m: Manifest) -> dict[str, Any]:
-        out = {}
-        for key, value in m.to_dict().items():
-            if key in ("target", "data"):
-                out.update({f"{key}.{k}": v for k, v in value.items()})
-            else:
-                out[key] = value
-        return {k: v for k, v in out.items() if k not in _SET_AT_COMPLETION | _AS_TYPED}
+        out = {k: v for key, value in m.to_dict().items() for k, v in leaves(value, key).items()}
+        return {k: v for k, v in out.items() if not any(k == s or k.startswith(s + ".") for s in _NOT_COMPARED)}
 
     old, new = flat(existing), flat(fresh)
+    absent = _Absent()
     return [
-        f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)
+        f"{k}: {old.get(k, absent)!r} -> {new.get(k, absent)!r}"
+        for k in sorted(old.keys() | new.keys())
+        if old.get(k, absent) != new.get(k, absent)
     ]
+
+
+class _Absent:
+    """A field one of the two manifests lacks, said so in `resume_differences`' lines."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
 
 
 def write_manifest(root: str | Path, manifest: Manifest) -> None:
