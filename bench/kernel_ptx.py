@@ -1,5 +1,6 @@
 """The paged decode kernel compiled for a GPU that is not here: its shared memory and the PTX instructions
-that move K and V, per page dtype and layout, to see what a change to the kernel does before a GPU times it.
+that move K and V, per page dtype and layout, with the value pages masked (the default) and loaded unmasked
+(`finite_value_tails`), to see what a change to the kernel does before a GPU times it.
 
 The launch is the engine's own (`_paged_decode_attention_triton` on CPU tensors of Qwen3-8B's attention
 shapes, bench.decode_attention's pages in each LAYOUTS order), its kernel call recorded instead of run;
@@ -47,7 +48,7 @@ class _Recorder:
         return lambda *args, **meta: self.calls.append((args, meta))
 
 
-def recorded_launch(kv_dtype: torch.dtype, layout: str, page: int = 64) -> tuple:
+def recorded_launch(kv_dtype: torch.dtype, layout: str, finite_value_tails: bool = False, page: int = 64) -> tuple:
     """(args, meta) of the kernel call the launch makes for a few rows of bench.decode_attention's
     shapes (the batch size and the lengths are runtime values: they change nothing compiled)."""
     q = torch.zeros(4, HEADS, HEAD_DIM, dtype=torch.bfloat16)
@@ -59,7 +60,9 @@ def recorded_launch(kv_dtype: torch.dtype, layout: str, page: int = 64) -> tuple
     real = paged_attention._kernels
     paged_attention._kernels = lambda: recorder
     try:
-        paged_attention._paged_decode_attention_triton(q, k, v, table, lengths, HEAD_DIM**-0.5, num_splits=1)
+        paged_attention._paged_decode_attention_triton(
+            q, k, v, table, lengths, HEAD_DIM**-0.5, num_splits=1, finite_value_tails=finite_value_tails
+        )
     finally:
         paged_attention._kernels = real
     return calls[0]
@@ -101,13 +104,14 @@ def compile_launch(args: tuple, meta: dict, arch: int):
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def ptx_profile(kv_dtype: torch.dtype, layout: str, arch: int) -> dict:
-    args, meta = recorded_launch(kv_dtype, layout)
+def ptx_profile(kv_dtype: torch.dtype, layout: str, arch: int, finite_value_tails: bool = False) -> dict:
+    args, meta = recorded_launch(kv_dtype, layout, finite_value_tails)
     compiled = compile_launch(args, meta, arch)
     counts = Counter(_COUNTED.findall(compiled.asm["ptx"]))
     return {
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "layout": layout,
+        "finite_value_tails": finite_value_tails,
         "shared_bytes": compiled.metadata.shared,
         "instructions": dict(sorted(counts.items())),
     }
@@ -123,11 +127,14 @@ def main(argv=None) -> dict:
     import triton
 
     result = {"triton": triton.__version__, "arch": args.arch, "variants": []}
-    for kv, layout in itertools.product(args.kv_dtype or ["bfloat16", "float8_e4m3fn"], args.layout or ["thd"]):
-        row = ptx_profile(getattr(torch, kv), layout, args.arch)
+    for kv, layout, finite in itertools.product(
+        args.kv_dtype or ["bfloat16", "float8_e4m3fn"], args.layout or ["thd"], (False, True)
+    ):
+        row = ptx_profile(getattr(torch, kv), layout, args.arch, finite)
         result["variants"].append(row)
         moves = ", ".join(f"{op} x{n}" for op, n in row["instructions"].items())
-        print(f"{kv} pages, layout {layout}: {row['shared_bytes']:,} B shared; {moves}")
+        values = "unmasked" if finite else "masked"
+        print(f"{kv} pages, layout {layout}, values {values}: {row['shared_bytes']:,} B shared; {moves}")
     emit(result, args.json)
     return result
 

@@ -272,6 +272,24 @@ def _interpreter_cases() -> None:
         q, k, v, table, lengths = case
         got = _paged_decode_attention_triton(q, stored_as(k, order), stored_as(v, order), table, lengths, 0.25)
         torch.testing.assert_close(got.double(), naive(*case, 0.25), rtol=1e-5, atol=1e-6)
+    # finite_value_tails: each row's last value page loaded unmasked, its tail past the length finite
+    # garbage (the rest of the pool NaN as before); NaN there instead shows the load is unmasked
+    for dtype in (torch.float32, torch.float16):
+        q, k, v, table, lengths = make_case(6, 8, 2, 16, 16, 4, dtype, seed=13)
+        finite = v.clone()
+        for r in range(len(q)):
+            n = int(lengths[r])
+            if n % 16:
+                finite[table[r, (n - 1) // 16], n % 16 :] = 100 * torch.randn(16 - n % 16, 2, 16).to(dtype)
+        for order, splits in (("thd", 1), ("hdt", 2)):
+            got = _paged_decode_attention_triton(
+                q, k, stored_as(finite, order), table, lengths, 0.25, num_splits=splits, finite_value_tails=True
+            )
+            assert rel_err(got, naive(q, k, finite, table, lengths, 0.25)) < (1e-5 if dtype == torch.float32 else 2e-3)
+            poisoned = _paged_decode_attention_triton(
+                q, k, stored_as(v, order), table, lengths, 0.25, num_splits=splits, finite_value_tails=True
+            )
+            assert poisoned.isnan().any(), "finite_value_tails left the value load masked"
     # fp8 pages and a bfloat16 q: float16 dots by default, q clamped to float16's range (1e5 -> 65504)
     q, k, v, table, lengths = make_case(6, 8, 2, 16, 16, 4, torch.bfloat16, seed=3)
     q[0, 0, :2] = torch.tensor([1e5, -1e5])

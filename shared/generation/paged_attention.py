@@ -229,6 +229,7 @@ def _paged_decode_attention_triton(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     f16_dots: bool | None = None,
+    finite_value_tails: bool = False,
 ) -> torch.Tensor:
     """The Triton launch (also runs on CPU tensors under TRITON_INTERPRET=1). `num_splits` None
     picks the split-K factor from shapes, `num_stages`/`num_warps` None their defaults below;
@@ -237,7 +238,13 @@ def _paged_decode_attention_triton(
     float16 (q clamped to float16's range): fp8 -> f16 is one packed instruction per two elements on
     sm_89+, where fp8 -> bf16 goes through float32, and every cached byte is converted (measured on an
     H100: 1.21x the kernel's speed, bench/RESULTS.md). float16 holds every fp8 value exactly and has
-    more mantissa than bfloat16. The knobs are for the benchmark and tests."""
+    more mantissa than bfloat16. `finite_value_tails` is the caller's word that the value slots past
+    each row's length in its last page hold finite numbers (the engine's pages start zeroed, and its
+    fp8 conversion saturates): each value page is then loaded unmasked, since a zero probability times
+    a finite value adds nothing. Compiled for sm_90 with the values stored token-minor
+    (bench.decode_attention's `vt`), fp8 values then come in by 16-byte copies inside the software
+    pipeline and reach the tensor cores by `ldmatrix`, with no byte-wide reads (bench.kernel_ptx);
+    unmeasured on a GPU. The knobs are for the benchmark and tests."""
     _check(q, k_pages, v_pages, block_table, lengths)
     fp8_pages_16bit_q = k_pages.dtype == KV_FP8 and q.dtype != torch.float32
     if f16_dots is None:
@@ -275,6 +282,7 @@ def _paged_decode_attention_triton(
         HEAD_DIM=head_dim,
         IEEE=q.dtype == torch.float32,
         F16_DOTS=f16_dots,
+        FINITE_V=finite_value_tails,
         CHUNK=min(_CHUNK, _next_pow2(-(-max_pages // splits))),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -389,6 +397,7 @@ def _kernels():
         HEAD_DIM: tl.constexpr,
         IEEE: tl.constexpr,
         F16_DOTS: tl.constexpr,
+        FINITE_V: tl.constexpr,
         SPLIT: tl.constexpr,
         CHUNK: tl.constexpr,
     ):
@@ -436,10 +445,13 @@ def _kernels():
                 # an fp8 cache's pages become q's dtype here (a no-op for a cache in q's dtype; float16
                 # with F16_DOTS, q converted above)
                 k = tl.load(k_tile + page * s_kp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-                # a masked load, though with fp8 pages it reads the dot operand from shared memory a byte at
-                # a time: the page loaded whole, its tail zeroed by a select, ran at 0.89x (fp8) and 0.95x
-                # (bf16) the kernel's speed on an H100 (bench/RESULTS.md, regeneration run 13)
-                v = tl.load(v_tile + page * s_vp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+                if FINITE_V:  # the launch's `finite_value_tails`: p is 0 past the length
+                    v = tl.load(v_tile + page * s_vp).to(q.dtype)
+                else:
+                    # with fp8 pages this reads the dot operand from shared memory a byte at a time; the
+                    # page loaded whole with its tail zeroed by a select instead ran at 0.89x (fp8) and
+                    # 0.95x (bf16) the kernel's speed on an H100 (bench/RESULTS.md, regeneration run 13)
+                    v = tl.load(v_tile + page * s_vp, mask=tok_ok[:, None], other=0.0).to(q.dtype)
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:

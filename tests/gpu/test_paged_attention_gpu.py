@@ -148,6 +148,30 @@ def test_kernel_reads_fp8_pages_as_the_pages_converted_first(dtype, f16_dots, sh
         assert err < 1e-2
 
 
+@pytest.mark.parametrize("value_order", ["thd", "hdt"])
+@pytest.mark.parametrize("splits", [None, 4])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_finite_value_tails_give_the_masked_launchs_attention(kv_dtype, splits, value_order):
+    """`finite_value_tails`: each row's last value page loaded unmasked, its slots past the length
+    finite garbage (every other unread slot still NaN), on pages of either dtype in either value order."""
+    shape = SHAPES[5]  # Qwen3-8B decode at batch 256
+    q, k, v, table, lengths = make_case(*shape, torch.bfloat16, seed=sum(shape) + 2)
+    page = shape[4]
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for r, n in enumerate(lengths.tolist()):
+        if n % page:
+            tail = (page - n % page, *v.shape[2:])
+            v[table[r, (n - 1) // page], n % page :] = 100 * torch.randn(tail, generator=g, device=DEV)
+    k, v = k.to(kv_dtype), stored_as(v.to(kv_dtype), value_order)
+    scale = shape[3] ** -0.5
+    masked = _paged_decode_attention_triton(q, k, v, table, lengths, scale, num_splits=splits)
+    got = _paged_decode_attention_triton(q, k, v, table, lengths, scale, num_splits=splits, finite_value_tails=True)
+    assert torch.isfinite(got).all()
+    err = rel(got, masked)
+    print(f"\n{kv_dtype} pages, values {value_order}, splits={splits}: rel err vs the masked launch {err:.2e}")
+    assert err < 1e-3
+
+
 def test_fp8_pages_with_a_bfloat16_q_beyond_float16s_range():
     """The float16 dots of fp8 pages clamp q to float16's range: a bfloat16 q entry of 1e5 (inf in
     float16) leaves the output finite, the attention of the clamped q."""
