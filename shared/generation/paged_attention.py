@@ -239,9 +239,9 @@ def _paged_decode_attention_triton(
     sm_89+, where fp8 -> bf16 goes through float32, and every cached byte is converted (measured on an
     H100: 1.21x the kernel's speed, bench/RESULTS.md). float16 holds every fp8 value exactly and has
     more mantissa than bfloat16. `finite_value_tails` is the caller's word that the value slots past
-    each row's length in its last page hold finite numbers (the engine's pages start zeroed, and its
-    fp8 conversion saturates): each value page is then loaded unmasked, since a zero probability times
-    a finite value adds nothing. Compiled for sm_90 with the values stored token-minor
+    each row's length in its last page hold finite numbers (the engine's pages start zeroed, and what
+    it writes to fp8 is clamped to fp8's range first): each value page is then loaded unmasked, since
+    a zero probability times a finite value adds nothing. Compiled for sm_90 with values token-minor
     (bench.decode_attention's `vt`), fp8 values then come in by 16-byte copies inside the software
     pipeline and reach the tensor cores by `ldmatrix`, with no byte-wide reads (bench.kernel_ptx);
     unmeasured on a GPU. The knobs are for the benchmark and tests."""
