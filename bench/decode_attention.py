@@ -25,7 +25,9 @@ reads fp8 values from shared memory a byte at a time; loading value pages whole 
 by a select, a float16 round trip through shared memory in its place) ran at 0.89x (run 13).
 `finite_value_tails` times the launch of that name on every shape (the value pages loaded unmasked; the
 pools here are finite everywhere): compiled for sm_90 on `vt` pages, it keeps V in the pipeline and
-reads fp8 values without byte loads (bench.kernel_ptx).
+reads fp8 values without byte loads (bench.kernel_ptx), and ran 1.34-1.36x the masked launch on `thd`
+fp8 pages on an H200 (run 14). That is the engine's fp8 cache since (`PagedKVCache`); its 16-bit cache
+stays `thd` with the masked load, which was faster there.
 
     python -m bench.decode_attention --json result.json
 """
@@ -79,8 +81,9 @@ def make_pool(
 # where each page's (token, kv head, dim) axes lie in memory, slowest first, for K and for V: the kernel
 # reads pages through their strides, so a layout is only a view of [pages, page, kv_heads, head_dim]
 LAYOUTS = {
-    "thd": ("thd", "thd"),  # the engine's cache
-    "vt": ("thd", "hdt"),  # V with the token axis contiguous (the reduction axis of its dot with P)
+    "thd": ("thd", "thd"),  # the engine's 16-bit cache
+    # V with the token axis contiguous (the reduction axis of its dot with P): the engine's fp8 cache
+    "vt": ("thd", "hdt"),
     "htd": ("htd", "htd"),  # each kv head's page one contiguous tile
     "htd_vt": ("htd", "hdt"),
 }
@@ -302,7 +305,7 @@ def main() -> None:
         choices=list(LAYOUTS),
         action="append",
         default=None,
-        help="how K and V pages lie in memory (LAYOUTS), repeatable [default: thd, the engine's]",
+        help="how K and V pages lie in memory (LAYOUTS), repeatable [default: thd, the engine's 16-bit layout]",
     )
     ap.add_argument("--pools", type=int, default=4, help="K/V pools rotated through (L2 never holds a launch's pages)")
     ap.add_argument("--replays", type=int, default=50)

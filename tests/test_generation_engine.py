@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from bench.regenerate import converse
-from dflash_pipeline.shared.generation.decoder import GenerationError
+from dflash_pipeline.shared.generation.decoder import GenerationError, PagedKVCache, to_cache_dtype
 from dflash_pipeline.shared.generation.engine import EngineSettings, GenerationEngine, Request
 from dflash_pipeline.shared.generation.sampling import SamplingParams, choose_tokens, request_key, uniforms
 
@@ -296,3 +296,29 @@ def test_fp8_kv_cache_is_lossy_and_takes_one_byte_an_element(model):
     assert runs[None] != runs["float8_e4m3fn"]
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is not one of"):
         EngineSettings(kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_cache_slots_round_trip_and_fp8_values_are_token_minor_and_finite(dtype):
+    """What is written to a slot reads back from it, in either layout. fp8 values lie token-minor in
+    memory, the layout decode attention reads them fastest in, and every fp8 slot is finite whatever
+    the model computed (NaN, inf, beyond 448), since the kernel loads fp8 value pages unmasked."""
+    cache = PagedKVCache.allocate(2, 5, 4, 2, 8, dtype, torch.device("cpu"))
+    values = cache.values[1]
+    assert values.shape == cache.keys[1].shape == (5, 4, 2, 8) and cache.keys[1].is_contiguous()
+    assert cache.finite_value_tails == (dtype == torch.float8_e4m3fn)
+    assert values.permute(0, 2, 3, 1).is_contiguous() == (dtype == torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(0)
+    k, v = (100 * torch.randn(7, 2, 8, generator=g) for _ in range(2))
+    v[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -1e6])
+    slots = torch.tensor([4, 5, 6, 7, 13, 2, 19])  # pages 1, 3, 0 (part) and 4
+    cache.write(1, slots, to_cache_dtype(k, dtype), to_cache_dtype(v, dtype))
+    got_k, got_v = cache.read(1, slots, torch.float32)
+    assert torch.equal(got_k, to_cache_dtype(k, dtype).float())
+    assert torch.equal(got_v, to_cache_dtype(v, dtype).float())
+    assert torch.equal(values.reshape(-1, 2, 8)[slots].float(), got_v)  # slot t of page p: values[p, t]
+    if dtype == torch.float8_e4m3fn:
+        assert torch.isfinite(values.float()).all()
+        limit = torch.finfo(dtype).max
+        assert got_v[0, 0, :3].tolist() == [0.0, limit, -limit]
+    assert torch.equal(cache.read(0, slots, torch.float32)[1], torch.zeros(7, 2, 8))

@@ -47,9 +47,9 @@ __all__ = ["KV_FP8", "gather", "paged_decode_attention", "paged_decode_attention
 KV_FP8 = torch.float8_e4m3fn  # the one cache dtype besides q's: read back to q's dtype per page
 
 
-def gather(pages: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`pages[index]` (index along dim 0) converted to `dtype`; fp8 is gathered as its bytes, since
-    not every device has an fp8 gather kernel."""
+def gather(pages: torch.Tensor, index: torch.Tensor | tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`pages[index]` (a tensor indexes dim 0, a tuple the leading dims) converted to `dtype`; fp8 is
+    gathered as its bytes, since not every device has an fp8 gather kernel."""
     if pages.dtype == KV_FP8:
         return pages.view(torch.uint8)[index].view(KV_FP8).to(dtype)
     return pages[index].to(dtype)
@@ -105,15 +105,20 @@ def paged_decode_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    finite_value_tails: bool = False,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over each row's first `lengths[r]` cached tokens.
 
     q [b, num_heads, head_dim]; k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim] (q's
-    dtype); block_table [b, max_pages] int32; lengths [b] int32/int64, each in 1..max_pages*page_size.
-    Returns [b, num_heads, head_dim] in q's dtype (written into `out` if given). The Triton kernel on
-    CUDA (no host sync: graph-safe), row by row elsewhere."""
+    dtype or `KV_FP8`); block_table [b, max_pages] int32; lengths [b] int32/int64, each in
+    1..max_pages*page_size. Returns [b, num_heads, head_dim] in q's dtype (written into `out` if given).
+    The Triton kernel on CUDA (no host sync: graph-safe), row by row elsewhere. `finite_value_tails`:
+    the caller's word that every value slot of a row's last page is finite (the kernel then loads value
+    pages unmasked; the row-by-row path reads only the row's tokens either way)."""
     if q.is_cuda:
-        return _paged_decode_attention_triton(q, k_pages, v_pages, block_table, lengths, scale, out=out)
+        return _paged_decode_attention_triton(
+            q, k_pages, v_pages, block_table, lengths, scale, out=out, finite_value_tails=finite_value_tails
+        )
     _check(q, k_pages, v_pages, block_table, lengths)
     return _paged_decode_attention_rows(q, k_pages, v_pages, block_table, lengths, scale, out=out)
 
@@ -238,13 +243,13 @@ def _paged_decode_attention_triton(
     float16 (q clamped to float16's range): fp8 -> f16 is one packed instruction per two elements on
     sm_89+, where fp8 -> bf16 goes through float32, and every cached byte is converted (measured on an
     H100: 1.21x the kernel's speed, bench/RESULTS.md). float16 holds every fp8 value exactly and has
-    more mantissa than bfloat16. `finite_value_tails` is the caller's word that the value slots past
-    each row's length in its last page hold finite numbers (the engine's pages start zeroed, and what
-    it writes to fp8 is clamped to fp8's range first): each value page is then loaded unmasked, since
-    a zero probability times a finite value adds nothing. Compiled for sm_90 with values token-minor
-    (bench.decode_attention's `vt`), fp8 values then come in by 16-byte copies inside the software
-    pipeline and reach the tensor cores by `ldmatrix`, with no byte-wide reads (bench.kernel_ptx);
-    unmeasured on a GPU. The knobs are for the benchmark and tests."""
+    more mantissa than bfloat16. `finite_value_tails`: as in `paged_decode_attention` (the engine's
+    fp8 cache, `PagedKVCache`); each value page is then loaded unmasked, since a zero probability times
+    a finite value adds nothing. With values token-minor (bench.decode_attention's `vt`, the engine's
+    fp8 layout), compiled for sm_90, fp8 values then come in by 16-byte copies inside the software
+    pipeline and reach the tensor cores by `ldmatrix`, with no byte-wide reads (bench.kernel_ptx):
+    1.34-1.36x the masked launch on the token-major fp8 layout, on an H200 (bench/RESULTS.md run 14).
+    The other knobs are for the benchmark and tests."""
     _check(q, k_pages, v_pages, block_table, lengths)
     fp8_pages_16bit_q = k_pages.dtype == KV_FP8 and q.dtype != torch.float32
     if f16_dots is None:

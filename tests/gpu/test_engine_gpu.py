@@ -5,6 +5,8 @@ same replies as HF `generate` one prompt at a time (float32), and as the engine 
 Run on the GPU machine: `python -m pytest tests/gpu/test_engine_gpu.py -q -s`.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -79,6 +81,19 @@ def test_fp8_kv_cache_graph_decode_equals_eager(model):
         graphed = run(model, requests, sampling, True, kv_cache_dtype="float8_e4m3fn")
         assert graphed == run(model, requests, sampling, False, max_batch=7, kv_cache_dtype="float8_e4m3fn")
     assert graphed != run(model, requests, sampling, True)
+
+
+def test_fp8_kv_cache_graph_decode_equals_the_cpu_engine(model):
+    """The fp8 cache as the GPU reads it (values token-minor, value pages loaded unmasked, CUDA graphs)
+    gives the greedy replies of the same cache on the CPU (row by row, only each row's tokens read;
+    equal to HF attending to fp8-rounded keys and values: tests/test_generation_engine.py), with pages
+    reused across requests, so stale tails are read."""
+    requests = workload(40)
+    gpu = run(model, requests, SamplingParams(), True, max_batch=8, kv_cache_dtype="float8_e4m3fn")
+    cpu_model = copy.deepcopy(model).cpu()
+    assert gpu[:12] == run(
+        cpu_model, requests[:12], SamplingParams(), False, max_batch=8, kv_cache_dtype="float8_e4m3fn"
+    )
 
 
 @pytest.mark.parametrize("continued", [False, True])
