@@ -325,8 +325,7 @@ class PagedDecoder:
         attn = self.layers[0].self_attn
         config = text_config(model.config)
         self.head_dim = attn.head_dim
-        self.kv_heads = config.num_key_value_heads
-        self.groups = config.num_attention_heads // self.kv_heads
+        self.groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = attn.scaling
         self.cache = cache
         # Compiled, the norms, rotary, SiLU gating and residual adds fuse into few kernels instead of
