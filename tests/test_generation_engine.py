@@ -312,8 +312,9 @@ def test_cache_slots_round_trip_and_fp8_values_are_token_minor_and_finite(dtype)
     k, v = (100 * torch.randn(7, 2, 8, generator=g) for _ in range(2))
     v[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -1e6])
     slots = torch.tensor([4, 5, 6, 7, 13, 2, 19])  # pages 1, 3, 0 (part) and 4
-    cache.write(1, slots, to_cache_dtype(k, dtype), to_cache_dtype(v, dtype))
-    got_k, got_v = cache.read(1, slots, torch.float32)
+    where = cache.slots(slots)
+    cache.write(1, where, to_cache_dtype(k, dtype), to_cache_dtype(v, dtype))
+    got_k, got_v = cache.read(1, where, torch.float32)
     assert torch.equal(got_k, to_cache_dtype(k, dtype).float())
     assert torch.equal(got_v, to_cache_dtype(v, dtype).float())
     assert torch.equal(values.reshape(-1, 2, 8)[slots].float(), got_v)  # slot t of page p: values[p, t]
@@ -321,4 +322,4 @@ def test_cache_slots_round_trip_and_fp8_values_are_token_minor_and_finite(dtype)
         assert torch.isfinite(values.float()).all()
         limit = torch.finfo(dtype).max
         assert got_v[0, 0, :3].tolist() == [0.0, limit, -limit]
-    assert torch.equal(cache.read(0, slots, torch.float32)[1], torch.zeros(7, 2, 8))
+    assert torch.equal(cache.read(0, where, torch.float32)[1], torch.zeros(7, 2, 8))

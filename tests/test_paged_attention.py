@@ -299,19 +299,21 @@ def _interpreter_cases() -> None:
     assert torch.equal(got, _paged_decode_attention_triton(q, k8, v8, table, lengths, 0.25, f16_dots=True))
     ref = naive(q.float().clamp(-65504, 65504), k8.float(), v8.float(), table, lengths, 0.25)
     assert rel_err(got, ref) < 1e-2, rel_err(got, ref)
-    # the engine's fp8 cache as its decode step launches on it: values token-minor, the value pages loaded
-    # unmasked; the slots past each row's length hold what an earlier request left (clamped when written)
     from dflash_pipeline.shared.generation.decoder import PagedKVCache, to_cache_dtype
 
-    # (every slot of the even pages) or the zeros the cache starts with. (The interpreter converts an fp8
+    # the engine's fp8 cache as its decode step launches on it: values token-minor, the value pages loaded
+    # unmasked; the slots past each row's length hold what an earlier request left (clamped when written;
+    # every slot of the even pages) or the zeros the cache starts with. (The interpreter converts an fp8
     # NaN to 480, so that the load is unmasked shows on the GPU only: tests/gpu/test_paged_attention_gpu.py.)
     q, k, v, table, lengths = make_case(6, 8, 2, 16, 16, 4, torch.bfloat16, seed=17)
     cache = PagedKVCache.allocate(1, len(k), 16, 2, 16, torch.float8_e4m3fn, torch.device("cpu"))
     earlier = torch.arange(len(k) * 16).view(-1, 16)[::2].flatten()
-    stale = 1000 * torch.randn(len(earlier), 2, 16, generator=torch.Generator().manual_seed(5))
-    cache.write(0, earlier, *(to_cache_dtype(stale, cache.dtype) for _ in "kv"))
+    stale = to_cache_dtype(
+        1000 * torch.randn(len(earlier), 2, 16, generator=torch.Generator().manual_seed(5)), cache.dtype
+    )
+    cache.write(0, cache.slots(earlier), stale, stale)
     own = (~k.isnan()).flatten(0, 1).all(-1).all(-1).nonzero()[:, 0]  # every row's tokens' slots
-    cache.write(0, own, *(to_cache_dtype(t.flatten(0, 1)[own], cache.dtype) for t in (k, v)))
+    cache.write(0, cache.slots(own), *(to_cache_dtype(t.flatten(0, 1)[own], cache.dtype) for t in (k, v)))
     k8, v8 = cache.keys[0], cache.values[0]
     for splits in (1, 3):
         got = _paged_decode_attention_triton(

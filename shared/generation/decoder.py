@@ -72,6 +72,9 @@ def check_supported(model: nn.Module, max_context: int) -> None:
         )
 
 
+Slots = tuple[torch.Tensor, torch.Tensor]  # (page, slot within the page) of each cached token
+
+
 @dataclass
 class PagedKVCache:
     """Keys and values of every layer in pages of `page_size` tokens, each viewed as [pages, page_size,
@@ -123,21 +126,20 @@ class PagedKVCache:
         made finite (16-bit values are written as the model computed them)."""
         return self.dtype == KV_FP8
 
-    def slots(self, cache_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, slot within the page) of each flat cache index page * page_size + slot."""
+    def slots(self, cache_index: torch.Tensor) -> Slots:
+        """(page, slot within the page) of each flat cache index page * page_size + slot: what `write`
+        and `read` take, worked out once for all layers."""
         return cache_index // self.page_size, cache_index % self.page_size
 
-    def write(self, layer: int, cache_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, where: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Writes k, v [T, kv_heads, head_dim] (in the cache's dtype) into their slots."""
-        where = self.slots(cache_index)
         for pages, held in ((self.keys[layer], k), (self.values[layer], v)):
             if held.dtype == KV_FP8:  # the same bytes as uint8: index_put_ has no fp8 kernel on the CPU
                 pages, held = pages.view(torch.uint8), held.view(torch.uint8)
             pages.index_put_(where, held)
 
-    def read(self, layer: int, cache_index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, where: Slots, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values [T, kv_heads, head_dim] of those slots, converted to `dtype`."""
-        where = self.slots(cache_index)
         return gather(self.keys[layer], where, dtype), gather(self.values[layer], where, dtype)
 
 
@@ -361,14 +363,16 @@ class PagedDecoder:
         hidden = self.embed(tokens)
         cos, sin = self._rotary(hidden, positions)
         packing = Packing.of(lengths, context_lengths or lengths, hidden)
+        where = self.cache.slots(cache_index)
+        context = None if context_index is None else self.cache.slots(context_index)
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim, self.cache.dtype)
-            self.cache.write(i, cache_index, k, v)
+            self.cache.write(i, where, k, v)
             # a lossy (fp8) cache: the prompt attends to what decoding and a later turn will read
-            if context_index is None:
+            if context is None:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             else:
-                k, v = self.cache.read(i, context_index, q.dtype)
+                k, v = self.cache.read(i, context, q.dtype)
             out = packed_causal_attention(q, k, v, packing, self.groups, self.scaling)
             hidden = self._layer_output(layer, self.gate_up[i], hidden, out.reshape(len(tokens), -1))
         last = torch.tensor([b - 1 for b in packing.query_bounds[1:]], device=tokens.device)
@@ -379,13 +383,13 @@ class PagedDecoder:
         [b, pages]): writes its key/value, returns float32 logits [b, vocab]. No host sync."""
         page = self.cache.page_size
         rows = torch.arange(len(tokens), device=tokens.device)
-        cache_index = block_table[rows, positions // page].long() * page + positions % page
+        where = (block_table[rows, positions // page].long(), positions % page)
         lengths = positions + 1
         hidden = self.embed(tokens)
         cos, sin = self._rotary(hidden, positions)
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, self.qkv[i], hidden, cos, sin, self.head_dim, self.cache.dtype)
-            self.cache.write(i, cache_index, k, v)
+            self.cache.write(i, where, k, v)
             out = paged_decode_attention(
                 q,
                 self.cache.keys[i],
