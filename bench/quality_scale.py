@@ -68,6 +68,7 @@ HEAD_TOKENS = TrainConfig.eval_decode_head  # online tau split where the trainer
 TRAIN_FILE, EVAL_FILE, DOMAINS_FILE = "train_conversations.jsonl.xz", "eval_prompts.jsonl", "eval_domains.json"
 NGRAM_PREFIX = "ngram_N"  # the copy drafter's tau (stage ngram), one file per --max-new-tokens
 EVALUATIONS_FILE = "evaluations.json"  # per evaluation report: how many ran at once, its seconds, its log
+SHARDS_DIR = "shards"  # the reports of `evaluate --shards`' dflash-eval runs, before they are merged
 DOMAINS = ("code", "math", "writing", "other")
 _CODE = re.compile(
     r"```|\b(def|class|import|function|const|select|python|javascript|typescript|java|c\+\+|sql|html|css|"
@@ -401,9 +402,12 @@ def run_parallel(
 def evaluate(args) -> None:
     """dflash-eval of every run at every temperature not evaluated yet, up to --parallel at once (a
     135M target decoding one sequence leaves the GPU mostly idle): speedups are then measured under
-    contention, tau is not affected. EVALUATIONS_FILE records how many ran at once for each report;
-    seconds.json the wall seconds of each batch. A failed one fails the stage once all are done."""
-    jobs: dict[str, Evaluation] = {}
+    contention, tau is not affected. `--shards K` splits each evaluation's prompts among K dflash-eval
+    (their reports in shards/, merged into the evaluation's when all have ended, cut or not).
+    EVALUATIONS_FILE records how many ran at once for each report; seconds.json the wall seconds of each
+    batch. A failed one fails the stage once all are done."""
+    jobs: list[Evaluation] = []
+    merges: dict[Path, tuple[str, list[Path]]] = {}  # a sharded evaluation's report: its name, its shards'
     runs = eval_runs(args)
     for temperature in args.temperature:  # as given, every run at each: a stage cut short has all at the first
         for run in runs:
@@ -432,60 +436,96 @@ def evaluate(args) -> None:
                 "float32",
                 "--temperature",
                 str(temperature),
-                "--json",
-                str(report),
-                *(["--resume"] if report.exists() else []),  # one stopped by SIGTERM: the prompts left
             ]
             cmd += (
                 ["--chain", *(["--windows", ",".join(map(str, args.windows))] if args.windows else [])]
                 if method
                 else []
             )
-            jobs[stem] = Evaluation(
-                f"{run.name}{tag} T={temperature:g}{method} N={args.max_new_tokens}",
-                cmd,
-                args.out / "logs" / f"{stem}.log",
-                report,
-            )
-    if not jobs:
+            name = f"{run.name}{tag} T={temperature:g}{method} N={args.max_new_tokens}"
+            if args.shards == 1:
+                jobs.append(Evaluation(name, reporting(cmd, report), args.out / "logs" / f"{stem}.log", report))
+                continue
+            parts = [args.out / SHARDS_DIR / f"{stem}.{i}of{args.shards}.json" for i in range(args.shards)]
+            merges[report] = (name, parts)
+            for i, part in enumerate(parts):
+                if not (part.exists() and read(part)["complete"]):
+                    shard = [*reporting(cmd, part), "--shards", str(args.shards), "--shard", str(i)]
+                    log = args.out / "logs" / f"{part.stem}.log"
+                    jobs.append(Evaluation(f"{name} shard {i}/{args.shards}", shard, log, part))
+    if not jobs and not merges:
         return
-    (args.out / "logs").mkdir(exist_ok=True)
-    concurrent, failed = min(args.parallel, len(jobs)), []
+    for folder in ("logs", *([SHARDS_DIR] if merges else [])):
+        (args.out / folder).mkdir(exist_ok=True)
+    concurrent, failed, seconds = min(args.parallel, max(len(jobs), 1)), [], {}
     print(f"== evaluate: {len(jobs)} dflash-eval runs, {concurrent} at a time, each logged in {args.out / 'logs'}")
 
     running: dict[subprocess.Popen, tuple[Evaluation, float]] = {}
 
     def run_all() -> None:
-        for job, code, seconds in run_parallel(list(jobs.values()), concurrent, running):
-            if not finished(job, code, seconds, concurrent, args.out / EVALUATIONS_FILE):
+        for job, code, wall in run_parallel(jobs, concurrent, running):
+            seconds[job.report] = wall
+            if not finished(job, code, wall, None if args.shards > 1 else (concurrent, args.out / EVALUATIONS_FILE)):
                 failed.append(job.name)
 
     # SIGTERM goes on to the runs (dflash-eval writes the prompts it finished), which are waited for
     with stopping_on_sigterm(forward_to=lambda: [proc.pid for proc in running if proc.poll() is None]):
         timed(args.out / "seconds.json", f"evaluate ({concurrent} at a time)", run_all)
         stopped = stop_requested()
+    for report, (name, parts) in merges.items():
+        merge_shards(name, report, parts, concurrent, max(seconds.get(p, 0.0) for p in parts), args.out)
     if stopped:
         sys.exit("quality_scale evaluate: stopped by SIGTERM; a rerun finishes what was left")
     if failed:
         sys.exit(f"quality_scale evaluate: {len(failed)} of {len(jobs)} failed: {', '.join(failed)}")
 
 
-def finished(job: Evaluation, code: int, seconds: float, concurrent: int, index: Path) -> bool:
-    """Print a line for an evaluation just done (the tail of its log if it failed) and record it in
-    `index` if it wrote its report; True if it succeeded."""
+def reporting(cmd: list[str], report: Path) -> list[str]:
+    """A dflash-eval command writing `report`, resuming it if a stopped run left it (the prompts left)."""
+    return [*cmd, "--json", str(report), *(["--resume"] if report.exists() else [])]
+
+
+def finished(job: Evaluation, code: int, seconds: float, recorded: tuple[int, Path] | None) -> bool:
+    """Print a line for an evaluation just done (the tail of its log if it failed) and, if it wrote its
+    report, record it in `recorded`'s index with how many ran at once (not a shard's: its merged
+    report is recorded); True if it succeeded."""
     if code:
         tail = "".join(f"    {line}\n" for line in job.log.read_text(errors="replace").splitlines()[-5:])
         print(f"evaluate {job.name}: failed (exit code {code}) after {seconds:.0f} s; {job.log} ends:\n{tail}", end="")
     if job.report.exists():  # a greedy run that was not lossless fails, but writes its report first
-        r = json.loads(job.report.read_text())
-        speedup = "" if r["speedup"] is None else f", speedup {r['speedup']:.2f}x"
-        part = "" if r.get("complete", True) else f" (stopped: {r['num_prompts']} of {r['prompts_planned']} prompts)"
-        print(f"evaluate {job.name}: tau {r['tau']:.3f}{speedup} in {seconds:.0f} s{part}")
-        entries = json.loads(index.read_text()) if index.exists() else {}
-        entries[job.report.name] = {"concurrent": concurrent, "seconds": round(seconds, 1), "log": str(job.log)}
-        index.write_text(json.dumps(entries, indent=1))
+        said(job.name, json.loads(job.report.read_text()), seconds)
+        if recorded is not None:
+            record(*recorded, job.report, {"seconds": round(seconds, 1), "log": str(job.log)})
     sys.stdout.flush()
     return code == 0
+
+
+def merge_shards(name: str, report: Path, parts: list[Path], concurrent: int, seconds: float, out: Path) -> None:
+    """Write a sharded evaluation's report from its shards' (dflash-eval merge_reports), incomplete if
+    one is; none while a shard has written nothing."""
+    from dflash_pipeline.train.eval_cli import merge_reports
+
+    if missing := [p.name for p in parts if not p.exists()]:
+        print(f"evaluate {name}: not merged, no report from {', '.join(missing)}")
+        return
+    merged = merge_reports([json.loads(p.read_text()) for p in parts])
+    report.write_text(json.dumps(merged, indent=1))
+    said(f"{name} ({len(parts)} shards)", merged, seconds)
+    record(concurrent, out / EVALUATIONS_FILE, report, {"seconds": round(seconds, 1), "shards": len(parts)})
+
+
+def said(name: str, r: dict, seconds: float) -> None:
+    """The line of an evaluation's report: tau, speedup, and how far it got if it was cut."""
+    speedup = "" if r["speedup"] is None else f", speedup {r['speedup']:.2f}x"
+    part = "" if r.get("complete", True) else f" (stopped: {r['num_prompts']} of {r['prompts_planned']} prompts)"
+    print(f"evaluate {name}: tau {r['tau']:.3f}{speedup} in {seconds:.0f} s{part}")
+
+
+def record(concurrent: int, index: Path, report: Path, entry: dict) -> None:
+    """Add a report to the EVALUATIONS_FILE index: how many dflash-eval ran at once, and `entry`."""
+    entries = json.loads(index.read_text()) if index.exists() else {}
+    entries[report.name] = {"concurrent": concurrent, **entry}
+    index.write_text(json.dumps(entries, indent=1))
 
 
 def read(path: Path) -> dict:
@@ -593,16 +633,17 @@ def evaluation_row(path: Path, domains: list[str] | None, index: dict) -> dict:
         **{f"tau_N{n}": w["tau"] for n, w in r.get("windows", {}).items()},
         "speedup": r["speedup"],
         "concurrent": index.get(path.name, {}).get("concurrent"),
+        "shards": r.get("shards", 1),
         "all_lossless": r["all_lossless"],
         "prompts": r["num_prompts"],
         "complete": r.get("complete", True),
     }
-    if domains:
+    if domains:  # a report cut short may lack any prompts (a sharded one's are not the first ones)
         for d in DOMAINS:
             means = [
                 sum(p["accepted"]) / len(p["accepted"])
-                for p, name in zip(r["per_prompt"], domains)
-                if name == d and p["accepted"]
+                for p in r["per_prompt"]
+                if domains[p["prompt_index"]] == d and p["accepted"]
             ]
             row[f"tau_{d}"] = sum(means) / len(means) if means else None
     return row
@@ -717,6 +758,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--runs", metavar="NAME", action="append", help="run folders to evaluate [default: all trained]")
     e.add_argument("--parallel", type=int, default=1, help="dflash-eval processes at once (speedup under contention)")
     e.add_argument(
+        "--shards", type=int, default=1, help="dflash-eval processes each evaluation's prompts are split among"
+    )
+    e.add_argument(
         "--chain", action="store_true", help="dflash-eval --chain: greedy tau without decoding (--temperature 0)"
     )
     e.add_argument(
@@ -727,8 +771,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     n.add_argument("--windows", type=int, nargs="*", default=[], help="tau also at these shorter lengths")
     sub.choices["report"].add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if getattr(args, "parallel", 1) < 1:
-        ap.error("--parallel: 1 or more")
+    if getattr(args, "parallel", 1) < 1 or getattr(args, "shards", 1) < 1:
+        ap.error("--parallel, --shards: 1 or more")
+    if args.stage == "evaluate" and args.chain and args.shards > 1:
+        ap.error("--shards splits decoding; --chain batches all prompts in one dflash-eval")
     if args.stage == "evaluate" and args.chain and args.temperature != [0]:
         ap.error("--chain measures greedy decoding: --temperature 0 alone")
     if args.stage == "evaluate" and args.windows and not args.chain:

@@ -278,6 +278,68 @@ def test_a_run_cut_before_its_final_drafter_is_evaluated_at_its_latest_checkpoin
 
 
 @pytest.mark.slow
+def test_sharded_evaluations_merge_and_a_rerun_finishes_a_cut_shard(scale_run: SimpleNamespace, tmp_path: Path) -> None:
+    """`evaluate --shards 2`: two dflash-eval split the prompts, their reports (shards/) merge into the
+    evaluation's, with the counts one process decoded and the domains of the prompts each row is of; a
+    shard cut short leaves the merged report incomplete, and a rerun resumes that shard alone."""
+    from dflash_pipeline.train.eval_cli import merge_reports
+
+    shutil.copytree(scale_run.out / "on_bf16" / "drafter", tmp_path / "on_bf16" / "drafter")
+    evaluate = ["--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu", "--limit", "4"]
+    evaluate += ["--target", str(scale_run.target), "--max-new-tokens", "8", "--temperature", "0", "--shards", "2"]
+    done = stage("evaluate", *evaluate, "--parallel", "2")
+    assert done.returncode == 0, done.stderr
+    assert "evaluate on_bf16 T=0 N=8 (2 shards): tau " in done.stdout
+    parts = [tmp_path / "shards" / f"eval_on_bf16_T0_N8.{i}of2.json" for i in range(2)]
+    merged = json.loads((tmp_path / "eval_on_bf16_T0_N8.json").read_text())
+    whole = json.loads((scale_run.out / "eval_on_bf16_T0_N8.json").read_text())  # one process, --limit 2
+
+    def decoded(rows: list[dict]) -> list[tuple]:
+        return [(r["prompt_index"], r["dflash_tokens"], r["accepted"]) for r in rows]
+
+    assert decoded(merged["per_prompt"][:2]) == decoded(whole["per_prompt"])
+    assert (merged["complete"], merged["num_prompts"], merged["shards"], merged["all_lossless"]) == (True, 4, 2, True)
+    index = json.loads((tmp_path / "evaluations.json").read_text())
+    assert index == {
+        "eval_on_bf16_T0_N8.json": {
+            "concurrent": 2,
+            "seconds": index["eval_on_bf16_T0_N8.json"]["seconds"],
+            "shards": 2,
+        }
+    }
+    domains = json.loads((scale_run.prompts / "eval_domains.json").read_text())
+    assert len(set(domains)) == 4  # one prompt of each: a row's domain is told by its prompt alone
+    cut = json.loads(parts[0].read_text())  # shard 0 (prompts 0 and 2) as if stopped after its first
+    cut["per_prompt"], cut["num_prompts"], cut["complete"] = cut["per_prompt"][:1], 1, False
+    parts[0].write_text(json.dumps(cut))
+    (tmp_path / "eval_on_bf16_T0_N8.json").write_text(
+        json.dumps(merge_reports([cut, json.loads(parts[1].read_text())]))
+    )
+    row = json.loads(stage("report", "--out", str(tmp_path), "--prompts", str(scale_run.prompts)).stdout)
+    row = row["evaluations"][0]
+    assert (row["prompts"], row["complete"], row["shards"]) == (3, False, 2)
+    present = {domains[0], domains[1], domains[3]}  # prompt 2 is not decoded
+    assert {d for d in ("code", "math", "writing", "other") if row[f"tau_{d}"] is not None} == present
+    rerun = stage("evaluate", *evaluate, "--parallel", "2")
+    assert rerun.returncode == 0, rerun.stderr
+    assert [line.split(":")[0] for line in rerun.stdout.splitlines() if ": tau " in line] == [
+        "evaluate on_bf16 T=0 N=8 shard 0/2",
+        "evaluate on_bf16 T=0 N=8 (2 shards)",
+    ]
+    commands = [
+        [line for line in (tmp_path / "logs" / f"{part.stem}.log").read_text().splitlines() if "eval_cli" in line]
+        for part in parts
+    ]
+    assert [[c.endswith(f"--resume --shards 2 --shard {i}") for c in cs] for i, cs in enumerate(commands)] == [
+        [False, True],
+        [False],
+    ]
+    again = json.loads((tmp_path / "eval_on_bf16_T0_N8.json").read_text())
+    assert decoded(again["per_prompt"]) == decoded(merged["per_prompt"]) and again["complete"]
+    assert again["per_prompt"][0] == merged["per_prompt"][0]  # the cut shard's prompt kept, timings too
+
+
+@pytest.mark.slow
 def test_chain_evaluations_count_what_decoding_counted(scale_run: SimpleNamespace, tmp_path: Path) -> None:
     """`evaluate --chain`: the same greedy counts as the decoding evaluation of the same drafter, tau at
     each window, no speedup."""

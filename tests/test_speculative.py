@@ -582,3 +582,40 @@ def test_dflash_eval_resumes_only_a_report_of_the_same_run(target, tiny_target_d
     )
     no_json = CliRunner().invoke(main, ["--target", "t", "--drafter", "d", "--prompts", "p", "--resume"])
     assert no_json.exit_code != 0 and "--resume continues a --json report of decoding" in no_json.output
+
+
+def test_sharded_evaluations_merge_into_the_report_of_one_process(target, tiny_target_dir, sample_corpus, tmp_path):
+    """--shards 2: the shards decode every other prompt with the prompt's own seed, so merge_reports gives
+    the tokens, counts and tau of one process's run; a shard with no prompt writes a complete empty report;
+    reports that are not the shards of one evaluation are refused in one line."""
+    from dflash_pipeline.shared.runtime.errors import UserError
+    from dflash_pipeline.train.eval_cli import merge_reports
+
+    def shard(name: str, *extra: str) -> dict:  # the same drafter folder for all: reports name it
+        result = invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--json", str(tmp_path / name), *extra)
+        assert result.exit_code == 0, result.output
+        return json.loads((tmp_path / name).read_text())
+
+    sampled = ("--temperature", "0.8", "--seed", "3")
+    whole = shard("whole.json", *sampled)
+    parts = [shard(f"{i}.json", *sampled, "--shards", "2", "--shard", str(i)) for i in (1, 0)]
+    assert [[r["prompt_index"] for r in p["per_prompt"]] for p in parts] == [[1], [0, 2]]
+    merged = merge_reports(parts)
+
+    def decoded(report: dict) -> list[tuple]:
+        rows = report["per_prompt"]
+        return [(r["prompt_index"], r["dflash_tokens"], r["target_tokens"], r["accepted"]) for r in rows]
+
+    assert decoded(merged) == decoded(whole)
+    assert (merged["tau"], merged["tau_pooled"]) == (whole["tau"], whole["tau_pooled"])
+    assert (merged["complete"], merged["num_prompts"], merged["shard"], merged["shards"]) == (True, 3, None, 2)
+    assert merged["speedup"] == pytest.approx(
+        sum(r["target_s"] for r in merged["per_prompt"]) / sum(r["dflash_s"] for r in merged["per_prompt"])
+    )
+    empty = shard("empty.json", *sampled, "--shards", "4", "--shard", "3")
+    assert (empty["complete"], empty["num_prompts"], empty["per_prompt"]) == (True, 0, [])
+    with pytest.raises(UserError, match=r"not the shards 0..N-1 of one evaluation \(shard/shards: 1/2, 3/4\)"):
+        merge_reports([parts[0], empty])
+    greedy = shard("greedy.json", "--shards", "2", "--shard", "0")
+    with pytest.raises(UserError, match="^merge_reports: the shards were made with other sampling$"):
+        merge_reports([parts[0], greedy])

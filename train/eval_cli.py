@@ -9,7 +9,10 @@ acceptance length; `tau_pooled` is all tokens over all verify steps. Reported as
 the numerics agree, in seconds for replies of thousands of tokens, and no speedup.
 SIGTERM (a deadline's `timeout`, a scheduler) stops decoding at once, dropping the prompt in progress:
 the report of the prompts done is written, marked `complete: false`, and `--resume` finishes it. Prompt
-n's outputs depend on n alone (its own seed), so a resumed report has the tokens of an uninterrupted one.
+n's outputs depend on n alone (its own seed), so a resumed report has the tokens of an uninterrupted one,
+and `--shards N --shard I` splits an evaluation among N processes (a small target decoding one sequence
+is bound by launches and leaves a GPU mostly idle) whose reports `merge_reports` joins into the one a
+single process would have written, timings apart.
 """
 
 from __future__ import annotations
@@ -37,7 +40,18 @@ from dflash_pipeline.shared.runtime.errors import UserError, cli_errors, first_l
 from dflash_pipeline.shared.runtime.stop import Interrupted, interrupting_on_sigterm, stopping_on_sigterm
 
 # what a resumed report must share with the stopped one, so that its prompts mean the same thing
-RESUME_KEYS = ("target", "drafter", "prompts", "method", "max_new_tokens", "block_size", "dtype", "sampling")
+RESUME_KEYS = (
+    "target",
+    "drafter",
+    "prompts",
+    "method",
+    "max_new_tokens",
+    "block_size",
+    "dtype",
+    "sampling",
+    "shard",
+)
+HEAD_KEYS = (*RESUME_KEYS, "device")  # a decoding report's fields before its counts (report_head's)
 
 
 class EvaluationStopped(UserError):
@@ -79,6 +93,13 @@ class EvalConfig:
         help="Finish the --json report of a run stopped by SIGTERM (complete: false), or extend one to a larger "
         "--limit: its prompts are kept, the rest decoded. Without that file, a fresh run.",
     )
+    shards: int = option(
+        1,
+        range=(1, None),
+        help="Split the --limit prompts among this many processes, each run with its own --shard and --json "
+        "(merge_reports joins the reports).",
+    )
+    shard: int = option(0, range=(0, None), help="With --shards N: decode prompts n with n % N == this (seed + n).")
     max_prompt_tokens: int = 1024  # a prompt's last tokens kept
 
     def __post_init__(self) -> None:
@@ -91,6 +112,10 @@ class EvalConfig:
             raise ConfigError(f"--windows must lie in 1..--max-new-tokens ({self.max_new_tokens})")
         if self.resume and (self.chain or not self.json_path):
             raise ConfigError("--resume continues a --json report of decoding: it needs --json and no --chain")
+        if self.shard >= self.shards:
+            raise ConfigError(f"--shard must lie in 0..--shards - 1 ({self.shards - 1})")
+        if self.chain and self.shards > 1:
+            raise ConfigError("--shards splits decoding; --chain batches all prompts in one process")
 
 
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
@@ -163,8 +188,9 @@ def evaluate(cfg: EvalConfig) -> dict:
     if not prompts:
         raise click.UsageError(f"{prompts_path}: no usable prompts")
     head = report_head(cfg, dev, torch_dtype, drafter)
+    mine = range(cfg.shard, len(prompts), cfg.shards)  # the prompts this process decodes, by index
     # --resume: a report of another run is refused before the target's weights are read
-    rows = done_rows(cfg, head, prompts) if cfg.resume else []
+    rows = done_rows(cfg, head, prompts, mine) if cfg.resume else []
     target = load_full_target(target_path, device=dev, dtype=torch_dtype)
     if identity is not None:
         check_weights(identity, f"the drafter {drafter_path}", target_path, target)
@@ -178,14 +204,15 @@ def evaluate(cfg: EvalConfig) -> dict:
     sampling = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k)
 
     def generator(n: int) -> torch.Generator:
-        """Prompt n's random stream: the same for both decoders and any --limit."""
+        """Prompt n's random stream: the same for both decoders, any --limit and any --shards."""
         return torch.Generator(dev).manual_seed(cfg.seed + n)
 
-    if len(rows) < len(prompts):  # one warm-up of each path: the first prompt timed pays no lazy setup
-        warm = torch.tensor(prompts[0], device=dev)
+    left = mine[len(rows) :]
+    if left:  # one warm-up of each path: the first prompt timed pays no lazy setup
+        warm = torch.tensor(prompts[left[0]], device=dev)
         target_generate(target, warm, 4, stop_ids, sampling, generator(0))
         dflash_generate(target, drafter, capture, warm, 4, stop_ids, cfg.block_size, sampling, generator(0))
-    for n in range(len(rows), len(prompts)):
+    for n in left:
         ids = prompts[n]
         p = torch.tensor(ids, device=dev)
         try:  # SIGTERM stops at once: the prompt in progress is dropped (a --resume decodes it)
@@ -198,6 +225,7 @@ def evaluate(cfg: EvalConfig) -> dict:
             break
         rows.append(
             {
+                "prompt_index": n,
                 "prompt_tokens": len(ids),
                 "new_tokens": len(spec.tokens),
                 "tau": spec.tau,
@@ -210,19 +238,41 @@ def evaluate(cfg: EvalConfig) -> dict:
             }
         )
     capture.close()
+    return decoding_report(head, rows, len(mine))
+
+
+def decoding_report(head: dict, rows: list[dict], planned: int) -> dict:
+    """The report of decoding `planned` prompts, of which `rows` are done: tau, speedup, lossless."""
+    greedy = head["sampling"]["temperature"] == 0
     return {
         **head,
         "num_prompts": len(rows),
-        "prompts_planned": len(prompts),
-        "complete": len(rows) == len(prompts),
+        "prompts_planned": planned,
+        "complete": len(rows) == planned,
         **taus([r["accepted"] for r in rows]),
         "speedup": sum(r["target_s"] for r in rows) / sum(r["dflash_s"] for r in rows) if rows else None,
-        "all_lossless": all(r["lossless"] for r in rows) if sampling.greedy else None,
+        "all_lossless": all(r["lossless"] for r in rows) if greedy else None,
         "lossless_check": "greedy: dflash_tokens must equal target_tokens"
-        if sampling.greedy
+        if greedy
         else "skipped: with sampling the two decodings draw different tokens by chance",
         "per_prompt": rows,
     }
+
+
+def merge_reports(parts: list[dict]) -> dict:
+    """The report of an evaluation split by --shards, from its shards' reports: the prompts in order,
+    tau and speedup over all of them; incomplete if any shard's is (rerunning that shard with --resume
+    and merging again finishes it). Its `shard` is null: it is no shard, and nothing resumes it."""
+    shards = {p["shard"][1] for p in parts}
+    if len(shards) != 1 or sorted(p["shard"][0] for p in parts) != list(range(next(iter(shards)))):
+        got = ", ".join("/".join(map(str, p["shard"])) for p in parts)
+        raise UserError(f"merge_reports: these are not the shards 0..N-1 of one evaluation (shard/shards: {got})")
+    first = parts[0]
+    if differ := [k for k in RESUME_KEYS if k != "shard" and any(p[k] != first[k] for p in parts)]:
+        raise UserError(f"merge_reports: the shards were made with other {', '.join(differ)}")
+    head = {k: first[k] for k in HEAD_KEYS} | {"shard": None, "shards": next(iter(shards))}
+    rows = sorted((r for p in parts for r in p["per_prompt"]), key=lambda r: r["prompt_index"])
+    return decoding_report(head, rows, sum(p["prompts_planned"] for p in parts))
 
 
 def report_head(cfg: EvalConfig, dev: torch.device, dtype: torch.dtype, drafter) -> dict:
@@ -237,12 +287,13 @@ def report_head(cfg: EvalConfig, dev: torch.device, dtype: torch.dtype, drafter)
         "device": str(dev),
         "dtype": str(dtype).removeprefix("torch."),
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed},
+        "shard": [cfg.shard, cfg.shards],
     }
 
 
-def done_rows(cfg: EvalConfig, head: dict, prompts: list[list[int]]) -> list[dict]:
+def done_rows(cfg: EvalConfig, head: dict, prompts: list[list[int]], mine: range) -> list[dict]:
     """`--resume`: the rows of the --json report, if it exists, after checking it was made the same way
-    and of the same first prompts."""
+    and of the same first prompts of this process's."""
     path = Path(cfg.json_path)
     if not path.exists():
         return []
@@ -250,11 +301,12 @@ def done_rows(cfg: EvalConfig, head: dict, prompts: list[list[int]]) -> list[dic
         old = json.loads(path.read_text())
         rows = old["per_prompt"]
         differ = [k for k in RESUME_KEYS if old[k] != head[k]]
+        done = [r["prompt_index"] for r in rows]
     except (ValueError, KeyError, TypeError) as exc:
         raise UserError(f"{path}: not a dflash-eval report to resume ({first_line(exc)})") from None
     if differ:
         raise UserError(f"{path}: made with other {', '.join(differ)}; --resume continues a report of the same run")
-    if len(rows) > len(prompts) or any(r["prompt_tokens"] != len(p) for r, p in zip(rows, prompts)):
+    if done != list(mine[: len(rows)]) or any(r["prompt_tokens"] != len(prompts[n]) for r, n in zip(rows, done)):
         raise UserError(f"{path}: its prompts are not the first {len(rows)} of {cfg.prompts} now")
     return rows
 
@@ -274,7 +326,7 @@ def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[i
     lengths = sorted({cfg.max_new_tokens, *cfg.windows})
     accepted: dict[int, list[list[int]]] = {n: [] for n in lengths}
     rows = []
-    for ids, reply in zip(prompts, replies):
+    for index, (ids, reply) in enumerate(zip(prompts, replies)):
         sequence = torch.tensor([*ids, *reply], device=dev)
         features = sequence_features(target, capture, sequence)
         matches = BlockMatches(drafter, head, features, sequence, len(ids))
@@ -282,6 +334,7 @@ def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[i
             accepted[n].append(chain_accepted(reply, matches, n, block_size, stop_ids))
         rows.append(
             {
+                "prompt_index": index,
                 "prompt_tokens": len(ids),
                 "new_tokens": len(reply),
                 "tau": taus(accepted[cfg.max_new_tokens][-1:])["tau"],
@@ -317,7 +370,7 @@ def main(**opts) -> None:
     cfg = config_from_cli(EvalConfig, opts)
     with nullcontext() if cfg.chain else stopping_on_sigterm():  # --chain's replies are batched: it just dies
         report = evaluate(replace(cfg, device=resolve_device("dflash-eval", cfg.device)))
-        if cfg.json_path and report["per_prompt"]:
+        if cfg.json_path and (report["per_prompt"] or report.get("complete")):  # a shard may have no prompts
             write_bytes_durably(Path(cfg.json_path), json.dumps(report, indent=1).encode())
         click.echo(json.dumps({k: v for k, v in report.items() if k != "per_prompt"}, indent=1))
         if not report.get("complete", True):
