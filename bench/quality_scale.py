@@ -21,7 +21,8 @@ none generated again; `pack-replies --store NAME --archive FILE` packs a store's
 (bench/replies_archive.py) and `regenerate --replies-archive FILE` starts a store on another machine
 from it, so a bare machine builds the same store without the generation. `evaluate --parallel N` runs N dflash-eval at once (each logged in logs/): tau
 is unaffected, speedup is measured under contention, and the report says how many ran at once
-(`concurrent`). `evaluate --runs NAME` picks runs. `evaluate --chain --temperature 0 --max-new-tokens
+(`concurrent`); `evaluate --shards K` splits each evaluation's prompts among K dflash-eval (shards/, merged
+into the evaluation's report). `evaluate --runs NAME` picks runs. `evaluate --chain --temperature 0 --max-new-tokens
 2048 --windows 96 256` counts greedy tau along the target's own replies (dflash-eval --chain): the
 reference benchmark's 2,048 new tokens on all held-out prompts in seconds, no speedup. On the GPU machine, `bench/gpu_session.sh scale`
 runs the lines of a plan file (bench/plans/, format in bench/scale_plan.sh) against deadlines. An
