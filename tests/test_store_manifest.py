@@ -116,8 +116,8 @@ def test_resume_differences_ignore_what_completion_fills_in():
 
 
 def test_resume_differences_name_the_nested_setting_that_changed():
-    """One line per changed leaf of nested settings, not the two whole dicts; a field only one side has
-    is said to be absent."""
+    """One line per changed leaf of nested settings, not the two whole dicts; a dict against anything else
+    is one line; a field only one side has is said to be absent."""
     plan = {"layer_ids": [1, 9], "compute_dtype": "bfloat16", "compiled": True}
     sampled = {"method": "sampled", "temperature": 1.0, "seed": 0}
     running = make_manifest(settings={"plan": plan, "regenerate": sampled})
@@ -130,11 +130,10 @@ def test_resume_differences_name_the_nested_setting_that_changed():
     ]
     greedy = make_manifest(settings={"plan": plan, "regenerate": None})
     assert resume_differences(greedy, running) == [
-        "settings.regenerate: None -> (absent)",
-        "settings.regenerate.method: (absent) -> 'sampled'",
-        "settings.regenerate.seed: (absent) -> 0",
-        "settings.regenerate.temperature: (absent) -> 1.0",
+        "settings.regenerate: None -> {'method': 'sampled', 'temperature': 1.0, 'seed': 0}"
     ]
+    no_plan = make_manifest(settings={"regenerate": sampled})
+    assert resume_differences(no_plan, running) == [f"settings.plan: (absent) -> {plan!r}"]
 
 
 def test_resume_differences_compare_what_paths_name_not_how_they_were_typed():

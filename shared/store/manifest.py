@@ -216,25 +216,23 @@ _NOT_COMPARED = _SET_AT_COMPLETION | _AS_TYPED
 
 def resume_differences(existing: Manifest, fresh: Manifest) -> list[str]:
     """What differs between a store's manifest and the one a rerun would write, one "field: old -> new"
-    per leaf of the nested settings (so a message names the one knob that changed, not two whole
-    dicts); empty when the rerun may continue the store."""
-
-    def leaves(value: Any, key: str) -> dict[str, Any]:
-        if isinstance(value, dict) and value:
-            return {k: v for name, item in value.items() for k, v in leaves(item, f"{key}.{name}").items()}
-        return {key: value}
-
-    def flat(m: Manifest) -> dict[str, Any]:
-        out = {k: v for key, value in m.to_dict().items() for k, v in leaves(value, key).items()}
-        return {k: v for k, v in out.items() if not any(k == s or k.startswith(s + ".") for s in _NOT_COMPARED)}
-
-    old, new = flat(existing), flat(fresh)
+    per differing leaf of the nested settings (so a message names the one knob that changed, not two
+    whole dicts; a dict against anything else is one line); empty when the rerun may continue the store."""
     absent = _Absent()
-    return [
-        f"{k}: {old.get(k, absent)!r} -> {new.get(k, absent)!r}"
-        for k in sorted(old.keys() | new.keys())
-        if old.get(k, absent) != new.get(k, absent)
-    ]
+
+    def diff(old: Any, new: Any, key: str) -> list[str]:
+        if any(key == s or key.startswith(s + ".") for s in _NOT_COMPARED):
+            return []
+        if isinstance(old, dict) and isinstance(new, dict):
+            names = sorted(old.keys() | new.keys())
+            return [
+                line
+                for name in names
+                for line in diff(old.get(name, absent), new.get(name, absent), f"{key}.{name}" if key else name)
+            ]
+        return [] if old == new else [f"{key}: {old!r} -> {new!r}"]
+
+    return diff(existing.to_dict(), fresh.to_dict(), "")
 
 
 class _Absent:
