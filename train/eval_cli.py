@@ -263,14 +263,14 @@ def merge_reports(parts: list[dict]) -> dict:
     """The report of an evaluation split by --shards, from its shards' reports: the prompts in order,
     tau and speedup over all of them; incomplete if any shard's is (rerunning that shard with --resume
     and merging again finishes it). Its `shard` is null: it is no shard, and nothing resumes it."""
-    shards = {p["shard"][1] for p in parts}
-    if len(shards) != 1 or sorted(p["shard"][0] for p in parts) != list(range(next(iter(shards)))):
+    first = parts[0]
+    shards = first["shard"][1]
+    if sorted(tuple(p["shard"]) for p in parts) != [(i, shards) for i in range(shards)]:
         got = ", ".join("/".join(map(str, p["shard"])) for p in parts)
         raise UserError(f"merge_reports: these are not the shards 0..N-1 of one evaluation (shard/shards: {got})")
-    first = parts[0]
     if differ := [k for k in RESUME_KEYS if k != "shard" and any(p[k] != first[k] for p in parts)]:
         raise UserError(f"merge_reports: the shards were made with other {', '.join(differ)}")
-    head = {k: first[k] for k in HEAD_KEYS} | {"shard": None, "shards": next(iter(shards))}
+    head = {k: first[k] for k in HEAD_KEYS} | {"shard": None, "shards": shards}
     rows = sorted((r for p in parts for r in p["per_prompt"]), key=lambda r: r["prompt_index"])
     return decoding_report(head, rows, sum(p["prompts_planned"] for p in parts))
 
