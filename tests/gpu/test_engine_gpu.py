@@ -18,6 +18,14 @@ from dflash_pipeline.shared.generation.sampling import SamplingParams, request_k
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo_caches():
+    """Each test compiles the engine's layer functions afresh. Dynamo keeps one cache per function for
+    the whole session, and the engines of earlier tests (each model, cache dtype, one row or more) would
+    fill its eight entries, after which it runs the function uncompiled inside the graphs."""
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def model(request, tmp_path_factory):
     folder = build_tiny_target(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=4, hidden=128)
