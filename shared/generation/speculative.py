@@ -104,13 +104,13 @@ def _stop_at(tokens: list[int], stop_ids: set[int]) -> list[int]:
     return tokens
 
 
-def _cache_kwarg(target: nn.Module) -> str:
+def cache_kwarg(target: nn.Module) -> str:
     """Name of the forward's KV-cache argument: `cache` in newer transformers (5.24 warns on
     `past_key_values`, removed in 5.40), `past_key_values` in older ones (5.17 has no `cache`)."""
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
-def _truncate_cache(cache: DynamicCache, length: int) -> None:
+def truncate_cache(cache: DynamicCache, length: int) -> None:
     """Drop cached positions from `length` on. A negative `crop` argument means "remove this many"
     in every transformers version we support (the meaning of a positive one changed in 5.x)."""
     extra = cache.get_seq_length() - length
@@ -132,7 +132,7 @@ def target_generate(
     _sync(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    kv = {_cache_kwarg(target): cache}
+    kv = {cache_kwarg(target): cache}
     out = target(input_ids=prompt[None], **kv, use_cache=True, logits_to_keep=1)
     tokens = [_next_token(out.logits[0, -1], sampling, generator)]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
@@ -163,7 +163,7 @@ def dflash_generate(
     _sync(device)
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    kv = {_cache_kwarg(target): cache}
+    kv = {cache_kwarg(target): cache}
     out = target(input_ids=prompt[None], **kv, use_cache=True, logits_to_keep=1)
     features = torch.cat(capture.take(), dim=-1)  # [1, P, n_layers*H]
     feature_positions = torch.arange(len(prompt), device=device)[None]
@@ -207,7 +207,7 @@ def dflash_generate(
         tokens.extend(new)
         if len(new) <= n_ok or new[-1] in stop_ids:  # cut short: decoding is over
             break
-        _truncate_cache(cache, seen + 1 + n_ok)  # keep the block positions that were accepted
+        truncate_cache(cache, seen + 1 + n_ok)  # keep the block positions that were accepted
         step_features = torch.cat(capture.take(), dim=-1)
         features = step_features[:, : 1 + n_ok]
         feature_positions = positions[:, : 1 + n_ok]
