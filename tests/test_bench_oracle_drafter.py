@@ -73,7 +73,8 @@ def test_the_report_is_read_by_prompt_index(tiny_target_dir: Path, tiny, tmp_pat
     head = {"block_size": 4, "max_new_tokens": 6, "sampling": {"temperature": 1.0}, "prompts_planned": 3, "tau": 1.2}
     report.write_text(json.dumps({**head, "per_prompt": rows}))
     args = ["--report", str(report), "--target", str(tiny_target_dir), "--prompts", str(prompts), "--every", "2"]
-    result = main([*args, "--device", "cpu"])
+    args += ["--device", "cpu"]
+    result = main(args)
     want = [c for i, r in replies.items() for c in oracle_counts(tiny, ids[i], r, 4, 2)]
     assert result["oracle_anchors"] == 5 and result["oracle_tau"] == pytest.approx(sum(want) / 5, rel=1e-5)
     assert result["t1_replies"] == pytest.approx(reply_stats(tiny, [ids[2], ids[0]], list(replies.values())))
