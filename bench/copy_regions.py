@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import emit
+from bench import emit, report_prompts
 
 
 def step_starts(accepted: list[int]) -> list[int]:
@@ -84,21 +84,12 @@ def copy_rows_on_replies(report: dict, target: str, prompts_file: str) -> list[d
     from bench.ngram_baseline import copy_accepted
     from dflash_pipeline.data.chat import stop_token_ids
     from dflash_pipeline.shared.target.assets import load_tokenizer
-    from dflash_pipeline.train.eval_cli import EvalConfig, prompts_from
 
     tokenizer = load_tokenizer(target)
     stops = stop_token_ids(tokenizer, GenerationConfig.from_pretrained(target).eos_token_id)
     rows = report["per_prompt"]
-    prompts = prompts_from(prompts_file, tokenizer, len(rows), EvalConfig.max_prompt_tokens)
-    if len(prompts) != len(rows):
-        raise ValueError(f"{prompts_file} has {len(prompts)} prompts, the drafter report {len(rows)}")
     copy = []
-    for i, (prompt, row) in enumerate(zip(prompts, rows)):
-        if len(prompt) != row["prompt_tokens"]:
-            raise ValueError(
-                f"prompt {i}: {len(prompt)} tokens with {target}'s tokenizer, {row['prompt_tokens']} in the drafter "
-                "report (another tokenizer or prompts file?)"
-            )
+    for prompt, row in zip(report_prompts(report, prompts_file, tokenizer, target), rows):
         reply = row["target_tokens"]
         accepted = copy_accepted(prompt, reply, report["max_new_tokens"], report["block_size"], stops)
         copy.append({"accepted": accepted, "target_tokens": reply})

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench import emit
+from bench import emit, report_prompts
 from dflash_pipeline.shared.generation.speculative import cache_kwarg, truncate_cache
 
 
@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> dict:
     from dflash_pipeline.shared.target.assets import load_tokenizer
     from dflash_pipeline.shared.target.loading import load_full_target
     from dflash_pipeline.train.chain_tau import greedy_replies
-    from dflash_pipeline.train.eval_cli import EvalConfig, prompts_from
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--report", type=Path, required=True, help="dflash-eval --json report at temperature 1")
@@ -113,16 +112,10 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(f"bench.oracle_drafter: {args.report}: needs a temperature-1 report with target_tokens")
     target = load_full_target(args.target, device=torch.device(args.device), dtype=torch.float32)
     tokenizer = load_tokenizer(args.target)
-    all_prompts = prompts_from(args.prompts, tokenizer, report["prompts_planned"], EvalConfig.max_prompt_tokens)
-    prompts = []
-    for r in rows:
-        i = r.get("prompt_index", len(prompts))
-        if i >= len(all_prompts) or len(all_prompts[i]) != r["prompt_tokens"]:
-            sys.exit(
-                f"bench.oracle_drafter: prompt {i}: not the report's prompt ({r['prompt_tokens']} tokens there; "
-                "another tokenizer or prompts file?)"
-            )
-        prompts.append(all_prompts[i])
+    try:
+        prompts = report_prompts(report, args.prompts, tokenizer, args.target)
+    except ValueError as e:
+        sys.exit(f"bench.oracle_drafter: {e}")
     sampled = [r["target_tokens"] for r in rows]
     stops = stop_token_ids(tokenizer, target.generation_config.eos_token_id)
     greedy = greedy_replies(target, prompts, max_new, stops)
