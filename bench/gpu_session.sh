@@ -4,7 +4,7 @@
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
 # .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels
 # (a superset, downloaded by bench/carry_assets.py).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention topk regenerate smoke stash_a stash_c quality scale chat
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention topk regenerate smoke stash_a stash_c stash_d quality scale chat
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
@@ -18,6 +18,9 @@
 # An archive too big to ride with .carry_b (the temperature-1 replies: 13.3 MiB beside .carry_b's 57 MiB) goes
 # in .carry_c/scale instead: a call carrying .carry_c runs `stash_c` (keeps it in /tmp/carry_scale) between
 # the stash_a call and the scale calls, which take it into the plan's prompts folder.
+# PACK_DRAFTERS="NAME ..." makes the scale step end by writing those runs' drafters (final, else the latest
+# checkpoint's; bfloat16) as parts of <= 15 MiB into $OUT (bench/drafter_parts.py); moved into .carry_d/, a call
+# carrying it runs `stash_d` and the next scale step unpacks them into its runs, to evaluate without training.
 # The scale step compiles into /tmp/qs/inductor (TORCHINDUCTOR_CACHE_DIR; the trainer's first start on a bare
 # machine took >151 s, a resumed one 45 s): PACK_INDUCTOR=1 ends it by packing that cache into
 # $OUT/inductor_cache.tar.xz; moved to .carry_a/, stash_a keeps it and the next machine's scale step starts warm.
@@ -83,6 +86,9 @@ for s in $steps; do
       mkdir -p /tmp/smollm2 /tmp/carry_wheels; cp .carry_a/smollm2/* /tmp/smollm2/
       cp .carry_a/wheels/*.whl /tmp/carry_wheels/; ls -l /tmp/smollm2 /tmp/carry_wheels
       if [ -f .carry_a/inductor_cache.tar.xz ]; then cp .carry_a/inductor_cache.tar.xz /tmp/; fi' ;;
+    stash_d) step stash_d 60 bash -c '
+      set -e; [ -d .carry_d ] || { echo "no .carry_d: carry .carry_d"; exit 1; }
+      mkdir -p /tmp/carry_drafters; cp .carry_d/drafter_* /tmp/carry_drafters/; ls -l /tmp/carry_drafters' ;;
     stash_c) step stash_c 60 bash -c '
       set -e; [ -d .carry_c/scale ] || { echo "no .carry_c/scale: carry .carry_c"; exit 1; }
       mkdir -p /tmp/carry_scale; cp .carry_c/scale/* /tmp/carry_scale/; ls -l /tmp/carry_scale' ;;
@@ -108,6 +114,7 @@ for s in $steps; do
         mkdir -p $TORCHINDUCTOR_CACHE_DIR && tar -xJf /tmp/inductor_cache.tar.xz -C $TORCHINDUCTOR_CACHE_DIR
       fi
       if [ -d /tmp/carry_scale ]; then cp /tmp/carry_scale/* .carry_b/scale/; fi  # stash_c
+      if [ -d /tmp/carry_drafters ]; then python3 -m bench.drafter_parts unpack --parts /tmp/carry_drafters --runs /tmp/qs/run; fi  # stash_d
       [ -d /tmp/qs/target ] || python3 -c "import sys; from pathlib import Path; from bench.compression import smollm2_folder; smollm2_folder(Path(\"/tmp/qs/target\"), Path(sys.argv[1]))" $d/$name
       set +e; bash bench/scale_plan.sh "${SCALE_PLAN:-bench/plans/scale_dflash_dflash2.plan}" /tmp/qs/run .carry_b/scale \
         /tmp/qs/target '"$OUT"'/quality_scale.json $t0
@@ -116,6 +123,7 @@ for s in $steps; do
         python3 -m bench.quality_scale pack-replies --out /tmp/qs/run --store "'"${PACK_REPLIES:-}"'" \
           --archive '"$OUT"'/replies_'"${PACK_REPLIES:-}"'.tar.xz || rc=1
       fi
+      for r in '"${PACK_DRAFTERS:-}"'; do python3 -m bench.drafter_parts pack --run /tmp/qs/run/$r --out '"$OUT"' || rc=1; done
       if [ -n "'"${PACK_INDUCTOR:-}"'" ]; then
         XZ_OPT=-T0 tar -cJf '"$OUT"'/inductor_cache.tar.xz -C $TORCHINDUCTOR_CACHE_DIR . && ls -l '"$OUT"'/inductor_cache.tar.xz || rc=1
       fi

@@ -1,0 +1,135 @@
+"""A trained drafter brought back from the GPU machine and carried to the next one, so its evaluation
+need not wait for training in the same session (a machine starts bare; training the issue 18 drafters
+takes most of a session's device time).
+
+A call brings back at most 16 MiB per file and 64 MiB in all, and a 5-layer DFlash-2 of SmolLM2's width
+is ~80 MB in float32: `pack` writes the run's drafter (its final one, else its latest checkpoint's,
+without the optimizer) with bfloat16 weights, as the reference serves drafters, as a tar cut into parts
+of at most 15 MiB. `unpack` puts them back where `quality_scale evaluate` looks for that run's drafter.
+
+    python -m bench.drafter_parts pack --run RUN/NAME --out $OUT        # on the GPU machine
+    python -m bench.drafter_parts unpack --parts DIR --runs RUN         # on the next one
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+from dflash_pipeline.train.checkpoint import LATEST, checkpoint_dir, latest_checkpoint
+
+PART_BYTES = 15 * 2**20
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+SKIPPED = {"trainer.pt", "state.json"}  # a checkpoint's optimizer and data position: not the drafter
+
+
+def source(run: Path) -> tuple[Path, str]:
+    """The run's drafter folder and its name in the parts: `final`, or the checkpoint's `step-N`."""
+    if (run / "drafter" / CONFIG).exists():
+        return run / "drafter", "final"
+    if (checkpoint := latest_checkpoint(run)) is not None:
+        return checkpoint, checkpoint.name
+    sys.exit(f"drafter_parts pack: {run}: no drafter and no checkpoint")
+
+
+def bfloat16_weights(folder: Path) -> tuple[bytes, bytes]:
+    """The folder's weights cast to bfloat16 (floating tensors only) and its config saying so."""
+    tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(folder / WEIGHTS).items()}
+    config = json.loads((folder / CONFIG).read_text())
+    config["dtype"] = "bfloat16"
+    return save(tensors, metadata={"format": "pt"}), (json.dumps(config, indent=2) + "\n").encode()
+
+
+def pack(run: Path, out: Path) -> list[Path]:
+    """The run's drafter, bfloat16, as a tar in parts of at most PART_BYTES in `out`."""
+    folder, kind = source(run)
+    weights, config = bfloat16_weights(folder)
+    blob = io.BytesIO()
+    with tarfile.open(fileobj=blob, mode="w") as tar:
+        members = {WEIGHTS: weights, CONFIG: config}
+        members |= {
+            p.name: p.read_bytes()
+            for p in sorted(folder.iterdir())
+            if p.is_file() and p.name not in {*members, *SKIPPED}
+        }
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    data = blob.getvalue()
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"drafter_{run.name}_{kind}.tar"
+    parts = []
+    for i in range(0, len(data), PART_BYTES):
+        part = out / f"{stem}.{i // PART_BYTES:02d}"
+        part.write_bytes(data[i : i + PART_BYTES])
+        parts.append(part)
+    print(
+        f"{run.name}: {kind} drafter, {len(data) / 2**20:.1f} MiB in {len(parts)} parts: {', '.join(p.name for p in parts)}"
+    )
+    return parts
+
+
+PART_NAME = re.compile(r"drafter_(?P<run>.+)_(?P<kind>final|step-\d+)\.tar\.(?P<number>\d\d)")
+
+
+def unpack(parts_dir: Path, runs: Path) -> list[Path]:
+    """Every drafter whose parts are in `parts_dir`, joined and unpacked into its run folder in `runs`:
+    RUN/drafter for a final one, else RUN/checkpoints/step-N with `latest` naming it (evaluate tags its
+    reports with the step). A drafter already there is left as it is."""
+    drafters: dict[tuple[str, str], list[Path]] = {}
+    for part in sorted(parts_dir.iterdir()):
+        if m := PART_NAME.fullmatch(part.name):
+            drafters.setdefault((m["run"], m["kind"]), []).append(part)
+    if not drafters:
+        sys.exit(f"drafter_parts unpack: no drafter_RUN_KIND.tar.NN in {parts_dir}")
+    unpacked = []
+    for (name, kind), parts in drafters.items():
+        stem = f"drafter_{name}_{kind}.tar"
+        if [p.name for p in parts] != [f"{stem}.{i:02d}" for i in range(len(parts))]:
+            sys.exit(f"drafter_parts unpack: {parts_dir}: {stem}'s parts are not .00 to .{len(parts) - 1:02d}")
+        run = runs / name
+        target = run / "drafter" if kind == "final" else checkpoint_dir(run) / kind
+        if (target / CONFIG).exists():
+            print(f"{name}: {target} is there, left as it is")
+            continue
+        try:
+            with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r") as tar:
+                target.mkdir(parents=True, exist_ok=True)
+                tar.extractall(target, filter="data")
+        except tarfile.TarError as exc:
+            sys.exit(f"drafter_parts unpack: {stem} from {len(parts)} parts: {exc} (a part missing or cut?)")
+        if kind != "final":
+            (checkpoint_dir(run) / LATEST).write_text(kind)
+        print(f"{name}: {kind} drafter unpacked into {target}")
+        unpacked.append(target)
+    return unpacked
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("--run", type=Path, required=True, help="the run folder (RUN/NAME of quality_scale train)")
+    p.add_argument("--out", type=Path, required=True, help="the folder to write the parts into")
+    u = sub.add_parser("unpack")
+    u.add_argument("--parts", type=Path, required=True, help="the folder holding the parts")
+    u.add_argument("--runs", type=Path, required=True, help="the folder of run folders (quality_scale --out)")
+    args = ap.parse_args(argv)
+    if args.command == "pack":
+        pack(args.run, args.out)
+    else:
+        unpack(args.parts, args.runs)
+
+
+if __name__ == "__main__":
+    main()
