@@ -1,0 +1,65 @@
+"""bench/drafter_parts.py: a drafter cut into parts and put back loads as the drafter cast to bfloat16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench.drafter_parts as parts
+from dflash_pipeline.shared.model.drafter import DFlashDrafter
+from dflash_pipeline.train.checkpoint import latest_checkpoint
+from tests.test_drafter import tiny_drafter
+
+
+def trained_run(root: Path, final: bool) -> tuple[Path, DFlashDrafter]:
+    """A run folder as dflash-train leaves it: a checkpoint (drafter + optimizer state), maybe a final drafter."""
+    run, model = root / "d2", tiny_drafter(seed=3)
+    step = run / "checkpoints" / "step-00000700"
+    model.save_pretrained(step)
+    (step / "trainer.pt").write_bytes(b"optimizer state")
+    (step / "state.json").write_text("{}")
+    (step / "target_identity.json").write_text('{"name": "t"}')
+    (run / "checkpoints" / "latest").write_text(step.name)
+    if final:
+        model.save_pretrained(run / "drafter")
+        (run / "drafter" / "target_identity.json").write_text('{"name": "t"}')
+    return run, model
+
+
+def assert_bfloat16_of(folder: Path, model: DFlashDrafter) -> None:
+    loaded = DFlashDrafter.from_pretrained(folder).state_dict()
+    expected = model.state_dict()
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(loaded[key].float(), value.to(torch.bfloat16).float()), key
+    assert (folder / "target_identity.json").read_text() == '{"name": "t"}'
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_parts_put_back_give_the_drafter_in_bfloat16(tmp_path: Path, monkeypatch, final: bool) -> None:
+    run, model = trained_run(tmp_path / "gpu", final)
+    monkeypatch.setattr(parts, "PART_BYTES", 8_000)  # several parts from a tiny drafter
+    written = parts.pack(run, tmp_path / "out")
+    assert len(written) > 2 and all(p.stat().st_size <= 8_000 for p in written)
+    kind = "final" if final else "step-00000700"
+    assert [p.name for p in written] == [f"drafter_d2_{kind}.tar.{i:02d}" for i in range(len(written))]
+    runs = tmp_path / "next"
+    (target,) = parts.unpack(tmp_path / "out", runs)
+    if final:
+        assert target == runs / "d2" / "drafter"
+    else:
+        assert target == latest_checkpoint(runs / "d2") == runs / "d2" / "checkpoints" / kind
+        assert not (target / "trainer.pt").exists() and not (target / "state.json").exists()
+    assert_bfloat16_of(target, model)
+    assert parts.unpack(tmp_path / "out", runs) == []  # already there: left as it is
+
+
+def test_a_missing_part_is_named(tmp_path: Path, monkeypatch) -> None:
+    run, _ = trained_run(tmp_path / "gpu", final=True)
+    monkeypatch.setattr(parts, "PART_BYTES", 8_000)
+    written = parts.pack(run, tmp_path / "out")
+    written[1].unlink()
+    with pytest.raises(SystemExit, match=r"drafter_d2_final\.tar's parts are not \.00 to"):
+        parts.unpack(tmp_path / "out", tmp_path / "next")
