@@ -4,7 +4,7 @@
 # results land in $OUT (JSON per benchmark, one log per step). Wheels missing on the image travel in
 # .carry/wheels (zarr and its dependencies for CPython 3.12), or in .carry_a/wheels
 # (a superset, downloaded by bench/carry_assets.py).
-#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention topk regenerate smoke stash_a stash_c stash_d quality scale chat
+#   OUT=/tmp/out bash bench/gpu_session.sh [steps...]      steps: env tests train store_io extract decode_attention topk regenerate smoke stash_a stash_c stash_d send_parts quality scale chat
 # The real-model quality bench needs the SmolLM2 GGUF, too big for one upload: two consecutive calls on
 # the same warm machine, call 1 carrying .carry_a and running `stash_a` (keeps the first half in
 # /tmp/smollm2), call 2 carrying .carry_b and running `quality` or `scale` (joins, checks the sha256,
@@ -18,9 +18,11 @@
 # An archive too big to ride with .carry_b (the temperature-1 replies: 13.3 MiB beside .carry_b's 57 MiB) goes
 # in .carry_c/scale instead: a call carrying .carry_c runs `stash_c` (keeps it in /tmp/carry_scale) between
 # the stash_a call and the scale calls, which take it into the plan's prompts folder.
-# PACK_DRAFTERS="NAME ..." makes the scale step end by writing those runs' drafters (final, else the latest
-# checkpoint's; bfloat16) as parts of <= 15 MiB into $OUT (bench/drafter_parts.py); moved into .carry_d/, a call
-# carrying it runs `stash_d` and the next scale step unpacks them into its runs, to evaluate without training.
+# PACK_DRAFTERS="NAME ..." makes the scale step end by cutting those runs' drafters (final, else the latest
+# checkpoint's; bfloat16) into parts of <= 15 MiB (bench/drafter_parts.py) and bringing back the first 3; each
+# later call's `send_parts` step brings back 4 more (a DFlash-2 of SmolLM2's width is 6 parts). Moved into
+# .carry_d/ (at most 4 parts a call), calls carrying it run `stash_d`, and the next scale step unpacks them into
+# its runs, to evaluate without training.
 # The scale step compiles into /tmp/qs/inductor (TORCHINDUCTOR_CACHE_DIR; the trainer's first start on a bare
 # machine took >151 s, a resumed one 45 s): PACK_INDUCTOR=1 ends it by packing that cache into
 # $OUT/inductor_cache.tar.xz; moved to .carry_a/, stash_a keeps it and the next machine's scale step starts warm.
@@ -89,6 +91,7 @@ for s in $steps; do
     stash_d) step stash_d 60 bash -c '
       set -e; [ -d .carry_d ] || { echo "no .carry_d: carry .carry_d"; exit 1; }
       mkdir -p /tmp/carry_drafters; cp .carry_d/drafter_* /tmp/carry_drafters/; ls -l /tmp/carry_drafters' ;;
+    send_parts) step send_parts 60 python3 -m bench.drafter_parts send --parts /tmp/drafter_parts --out "$OUT" --max-parts 4 ;;
     stash_c) step stash_c 60 bash -c '
       set -e; [ -d .carry_c/scale ] || { echo "no .carry_c/scale: carry .carry_c"; exit 1; }
       mkdir -p /tmp/carry_scale; cp .carry_c/scale/* /tmp/carry_scale/; ls -l /tmp/carry_scale' ;;
@@ -123,7 +126,8 @@ for s in $steps; do
         python3 -m bench.quality_scale pack-replies --out /tmp/qs/run --store "'"${PACK_REPLIES:-}"'" \
           --archive '"$OUT"'/replies_'"${PACK_REPLIES:-}"'.tar.xz || rc=1
       fi
-      for r in '"${PACK_DRAFTERS:-}"'; do python3 -m bench.drafter_parts pack --run /tmp/qs/run/$r --out '"$OUT"' || rc=1; done
+      for r in '"${PACK_DRAFTERS:-}"'; do python3 -m bench.drafter_parts pack --run /tmp/qs/run/$r --parts /tmp/drafter_parts || rc=1; done
+      if [ -d /tmp/drafter_parts ]; then python3 -m bench.drafter_parts send --parts /tmp/drafter_parts --out '"$OUT"' --max-parts 3 || rc=1; fi
       if [ -n "'"${PACK_INDUCTOR:-}"'" ]; then
         XZ_OPT=-T0 tar -cJf '"$OUT"'/inductor_cache.tar.xz -C $TORCHINDUCTOR_CACHE_DIR . && ls -l '"$OUT"'/inductor_cache.tar.xz || rc=1
       fi

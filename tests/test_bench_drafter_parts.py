@@ -38,28 +38,42 @@ def assert_bfloat16_of(folder: Path, model: DFlashDrafter) -> None:
 
 
 @pytest.mark.parametrize("final", [True, False])
-def test_parts_put_back_give_the_drafter_in_bfloat16(tmp_path: Path, monkeypatch, final: bool) -> None:
+def test_parts_sent_over_calls_and_put_back_give_the_drafter_in_bfloat16(
+    tmp_path: Path, monkeypatch, final: bool
+) -> None:
     run, model = trained_run(tmp_path / "gpu", final)
     monkeypatch.setattr(parts, "PART_BYTES", 8_000)  # several parts from a tiny drafter
-    written = parts.pack(run, tmp_path / "out")
-    assert len(written) > 2 and all(p.stat().st_size <= 8_000 for p in written)
-    kind = "final" if final else "step-00000700"
-    assert [p.name for p in written] == [f"drafter_d2_{kind}.tar.{i:02d}" for i in range(len(written))]
-    runs = tmp_path / "next"
-    (target,) = parts.unpack(tmp_path / "out", runs)
+    written = parts.pack(run, tmp_path / "parts")
+    count, kind = len(written), "final" if final else "step-00000700"
+    assert count > 3 and all(p.stat().st_size <= 8_000 for p in written)
+    sha = written[0].name.split(".")[1]
+    assert [p.name for p in written] == [f"drafter_d2_{kind}.{sha}.tar.{i:02d}-of-{count:02d}" for i in range(count)]
+    calls = [parts.send(tmp_path / "parts", tmp_path / f"out{i}", max_parts=2) for i in range(-(-count // 2))]
+    assert [p.name for sent in calls for p in sent] == [p.name for p in written]  # each once, in order
+    assert not any((tmp_path / "parts").iterdir())
+    carried, runs = tmp_path / "carried", tmp_path / "next"
+    carried.mkdir()
+    for sent in calls[:-1]:  # stashed call by call: unpacking waits for the whole set
+        for p in sent:
+            p.rename(carried / p.name)
+    with pytest.raises(SystemExit, match=rf"drafter_d2_{kind}\.{sha}\.tar lacks parts .* of {count:02d}"):
+        parts.unpack(carried, runs)
+    for p in calls[-1]:
+        p.rename(carried / p.name)
+    (target,) = parts.unpack(carried, runs)
     if final:
         assert target == runs / "d2" / "drafter"
     else:
         assert target == latest_checkpoint(runs / "d2") == runs / "d2" / "checkpoints" / kind
         assert not (target / "trainer.pt").exists() and not (target / "state.json").exists()
     assert_bfloat16_of(target, model)
-    assert parts.unpack(tmp_path / "out", runs) == []  # already there: left as it is
+    assert parts.unpack(carried, runs) == []  # already there: left as it is
 
 
-def test_a_missing_part_is_named(tmp_path: Path, monkeypatch) -> None:
+def test_a_part_cut_short_is_named(tmp_path: Path, monkeypatch) -> None:
     run, _ = trained_run(tmp_path / "gpu", final=True)
     monkeypatch.setattr(parts, "PART_BYTES", 8_000)
-    written = parts.pack(run, tmp_path / "out")
-    written[1].unlink()
-    with pytest.raises(SystemExit, match=r"drafter_d2_final\.tar's parts are not \.00 to"):
-        parts.unpack(tmp_path / "out", tmp_path / "next")
+    written = parts.pack(run, tmp_path / "parts")
+    written[1].write_bytes(written[1].read_bytes()[:100])
+    with pytest.raises(SystemExit, match=r"drafter_d2_final\.[0-9a-f]{12}\.tar from \d+ parts: sha256 mismatch"):
+        parts.unpack(tmp_path / "parts", tmp_path / "next")
