@@ -6,10 +6,10 @@ A call brings back at most 8 files, 16 MiB each and 64 MiB in all, and carries a
 DFlash-2 of SmolLM2's width is 182 MB in float32 (its selector's two codebooks, vocabulary x 256, are
 more than half of it). `pack` writes the run's drafter (its final one, else its latest checkpoint's,
 without the optimizer) with bfloat16 weights, as the reference serves drafters, as a tar cut into parts
-of at most 15 MiB named `drafter_RUN_KIND.SHA.tar.NN-of-MM` (SHA: the tar's sha256, checked when joined) in a
-folder on the machine; `send` moves the next
-few of them into $OUT, so one that does not fit one call's return comes back over several. `unpack` joins
-a complete set where `quality_scale evaluate` looks for that run's drafter.
+of at most 15 MiB named `drafter_RUN_KIND.SHA.tar.NN-of-MM` (SHA: the tar's sha256, checked when joined)
+in a folder on the machine; `send` moves the next few of them into $OUT, so a drafter that does not fit one
+call's return comes back over several. `unpack` joins a complete set where `quality_scale evaluate` looks
+for that run's drafter.
 
     python -m bench.drafter_parts pack --run RUN/NAME --parts DIR         # on the GPU machine
     python -m bench.drafter_parts send --parts DIR --out $OUT --max-parts 3
@@ -60,7 +60,8 @@ def bfloat16_weights(folder: Path) -> tuple[bytes, bytes]:
 
 
 def pack(run: Path, parts_dir: Path) -> list[Path]:
-    """The run's drafter, bfloat16, as a tar in parts of at most PART_BYTES in `parts_dir`."""
+    """The run's drafter, bfloat16, as a tar in parts of at most PART_BYTES in `parts_dir` (replacing the
+    parts of an earlier pack of the run still there)."""
     folder, kind = source(run)
     weights, config = bfloat16_weights(folder)
     blob = io.BytesIO()
@@ -78,6 +79,8 @@ def pack(run: Path, parts_dir: Path) -> list[Path]:
     data = blob.getvalue()
     count, sha = -(-len(data) // PART_BYTES), hashlib.sha256(data).hexdigest()[:12]
     parts_dir.mkdir(parents=True, exist_ok=True)
+    for stale in parts_dir.glob(f"drafter_{run.name}_*"):  # an earlier pack of this run: never sent beside this one
+        stale.unlink()
     parts = []
     for i in range(count):
         part = parts_dir / f"drafter_{run.name}_{kind}.{sha}.tar.{i:02d}-of-{count:02d}"

@@ -43,7 +43,11 @@ def test_parts_sent_over_calls_and_put_back_give_the_drafter_in_bfloat16(
 ) -> None:
     run, model = trained_run(tmp_path / "gpu", final)
     monkeypatch.setattr(parts, "PART_BYTES", 8_000)  # several parts from a tiny drafter
+    tiny_drafter(seed=4).save_pretrained(parts.source(run)[0])  # packed, then trained on: packed again
+    stale = parts.pack(run, tmp_path / "parts")
+    model.save_pretrained(parts.source(run)[0])
     written = parts.pack(run, tmp_path / "parts")
+    assert stale[0].name != written[0].name and sorted((tmp_path / "parts").iterdir()) == written
     count, kind = len(written), "final" if final else "step-00000700"
     assert count > 3 and all(p.stat().st_size <= 8_000 for p in written)
     sha = written[0].name.split(".")[1]
