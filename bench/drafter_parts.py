@@ -21,21 +21,20 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import json
 import re
 import shutil
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
 
-from dflash_pipeline.train.checkpoint import LATEST, checkpoint_dir, latest_checkpoint
+from bench.quality_scale import run_drafter
+from dflash_pipeline.shared.model.drafter import CONFIG_FILE, WEIGHTS_FILE, DFlashDrafter
+from dflash_pipeline.train.checkpoint import LATEST, checkpoint_dir
 
 PART_BYTES = 15 * 2**20
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 SKIPPED = {"trainer.pt", "state.json"}  # a checkpoint's optimizer and data position: not the drafter
 PART_NAME = re.compile(
     r"drafter_(?P<run>.+)_(?P<kind>final|step-\d+)\.(?P<sha>[0-9a-f]{12})\.tar\.(?P<number>\d\d)-of-(?P<count>\d\d)"
@@ -43,39 +42,27 @@ PART_NAME = re.compile(
 
 
 def source(run: Path) -> tuple[Path, str]:
-    """The run's drafter folder and its name in the parts: `final`, or the checkpoint's `step-N`."""
-    if (run / "drafter" / CONFIG).exists():
-        return run / "drafter", "final"
-    if (checkpoint := latest_checkpoint(run)) is not None:
-        return checkpoint, checkpoint.name
-    sys.exit(f"drafter_parts pack: {run}: no drafter and no checkpoint")
-
-
-def bfloat16_weights(folder: Path) -> tuple[bytes, bytes]:
-    """The folder's weights cast to bfloat16 (floating tensors only) and its config saying so."""
-    tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(folder / WEIGHTS).items()}
-    config = json.loads((folder / CONFIG).read_text())
-    config["dtype"] = "bfloat16"
-    return save(tensors, metadata={"format": "pt"}), (json.dumps(config, indent=2) + "\n").encode()
+    """The run's drafter folder as `quality_scale evaluate` picks it, and its name in the parts: `final`, or
+    the checkpoint's `step-N`."""
+    if (found := run_drafter(run)) is None:
+        sys.exit(f"drafter_parts pack: {run}: no drafter and no checkpoint")
+    folder, tag = found
+    return folder, folder.name if tag else "final"
 
 
 def pack(run: Path, parts_dir: Path) -> list[Path]:
     """The run's drafter, bfloat16, as a tar in parts of at most PART_BYTES in `parts_dir` (replacing the
     parts of an earlier pack of the run still there)."""
     folder, kind = source(run)
-    weights, config = bfloat16_weights(folder)
     blob = io.BytesIO()
-    with tarfile.open(fileobj=blob, mode="w") as tar:
-        members = {WEIGHTS: weights, CONFIG: config}
-        members |= {
-            p.name: p.read_bytes()
-            for p in sorted(folder.iterdir())
-            if p.is_file() and p.name not in {*members, *SKIPPED}
-        }
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=blob, mode="w") as tar:
+        drafter = DFlashDrafter.from_pretrained(folder, attention_backend="sdpa_dense")
+        written = drafter.save_pretrained(tmp, dtype=torch.bfloat16)
+        for p in sorted(folder.iterdir()):
+            if p.is_file() and p.name not in {CONFIG_FILE, WEIGHTS_FILE, *SKIPPED}:
+                shutil.copy2(p, written / p.name)
+        for p in sorted(written.iterdir()):
+            tar.add(p, arcname=p.name)
     data = blob.getvalue()
     count, sha = -(-len(data) // PART_BYTES), hashlib.sha256(data).hexdigest()[:12]
     parts_dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +107,7 @@ def unpack(parts_dir: Path, runs: Path) -> list[Path]:
             sys.exit(f"drafter_parts unpack: {parts_dir}: {stem} lacks parts {', '.join(missing)} of {count:02d}")
         run = runs / name
         target = run / "drafter" if kind == "final" else checkpoint_dir(run) / kind
-        if (target / CONFIG).exists():
+        if (target / CONFIG_FILE).exists():
             print(f"{name}: {target} is there, left as it is")
             continue
         data = b"".join(p.read_bytes() for p in parts)
