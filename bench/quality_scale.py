@@ -322,6 +322,7 @@ def train(args) -> None:
     cmd += ["--mask-token-id", str(mask)] if mask is not None else []
     cmd += ["--loss", args.loss] + (["--kl-weight", str(args.kl_weight)] if args.loss == "mix" else [])
     cmd += [] if args.eval_decode else ["--no-eval-decode"]
+    cmd += ["--selector-top-k", str(args.selector_top_k)] if args.selector_top_k else []
     cmd += (
         []
         if args.compile_drafter is None
@@ -747,6 +748,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     t.add_argument("--loss", choices=["ce", "kl", "mix"], default="ce", help="dflash-train --loss (kl: a top-K store)")
     t.add_argument("--kl-weight", type=float, default=0.5, help="--loss mix: the KL term's weight")
+    t.add_argument(
+        "--selector-top-k", type=int, default=None, help="dflash-train --selector-top-k [default: dflash-train's]"
+    )
     t.add_argument(
         "--compile-drafter",
         action=argparse.BooleanOptionalAction,

@@ -205,6 +205,20 @@ def test_train_uses_the_named_store(scale_run: SimpleNamespace) -> None:
     assert runs["on_fp8"]["curve"] and all("tau_decode" not in p for p in runs["on_fp8"]["curve"])
 
 
+@pytest.mark.slow
+def test_train_passes_the_selectors_candidates_on(scale_run: SimpleNamespace, monkeypatch) -> None:
+    from bench import quality_scale
+
+    commands = []
+    monkeypatch.setattr(quality_scale, "run_step", lambda _name, cmd: commands.append(cmd))
+    monkeypatch.setattr(quality_scale, "timed", lambda _record, _name, stage: stage())  # the run's record untouched
+    line = ["train", "--out", str(scale_run.out), "--device", "cpu", "--name", "k", "--arch", "dflash2"]
+    for extra in (["--selector-top-k", "64"], []):
+        quality_scale.train(parse(line + extra))
+    with_k, without = commands
+    assert with_k[with_k.index("--selector-top-k") + 1] == "64" and "--selector-top-k" not in without
+
+
 def test_regenerate_passes_the_generation_batch_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import bench.quality_scale as quality_scale
 
