@@ -1,4 +1,6 @@
-"""What a drafter's sampled (T > 0) tau is made of, and what drafting from its k best candidates only (the
+"""A drafter's expected sampled tau, with its own q and with q cut to its k best candidates (DFlash-2's support).
+
+Why a drafter accepts what it does at temperature > 0, and what drafting from its k best candidates only (the
 DFlash-2 selector's support) caps it at: the expected tau along the target-only replies of a `dflash-eval`
 report at temperature > 0 (`target_tokens`, sampled from the target itself).
 
