@@ -32,7 +32,7 @@ import torch
 
 from bench import emit, report_prompts
 from dflash_pipeline.shared.generation.sampling import SamplingParams, filtered_probs
-from dflash_pipeline.shared.model.drafter import DFlashDrafter, DrafterCache
+from dflash_pipeline.shared.model.drafter import DFlashDrafter, DrafterCache, DrafterError
 from dflash_pipeline.shared.model.loss import SelectorWeights, selector_scores
 
 
@@ -84,6 +84,7 @@ def reply_anchors(
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings().weight.to(dtype)
     scale, mask_id = drafter.config.input_embedding_scale, drafter.config.mask_token_id
     selector = drafter.candidate_selector
+    weights = SelectorWeights.of(selector) if selector is not None else None
     cache, fed, out = DrafterCache(), 0, []
     for a in range(0, len(reply) - block_size + 1, every):
         start = len(prompt) + a  # the anchor's position: the block's first token, not yet seen by the target
@@ -103,7 +104,7 @@ def reply_anchors(
         if selector is not None:  # DFlash-2: the selector's q, each position after the reply's previous token
             unary, candidates = torch.topk(draft_logits, selector.top_k, dim=-1, sorted=False)
             previous = torch.tensor(reply[a : a + block_size - 1], device=device)
-            scores = selector_scores(SelectorWeights.of(selector), hidden[0], unary, candidates, previous)
+            scores = selector_scores(weights, hidden[0], unary, candidates, previous)
             own_q = torch.zeros_like(q).scatter_(-1, candidates, torch.softmax(scores / sampling.temperature, -1))
         else:
             own_q = q
@@ -134,7 +135,8 @@ def summary(anchors: list[Anchor], top_ks: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     from dflash_pipeline.shared.target.assets import load_tokenizer
-    from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target
+    from dflash_pipeline.shared.target.identity import TargetMismatch, check_drafter_fits
+    from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target, load_target_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--report", type=Path, required=True, help="dflash-eval --json report at temperature > 0")
@@ -158,15 +160,20 @@ def main(argv: list[str] | None = None) -> dict:
     if sampling.greedy or any("target_tokens" not in r for r in rows):
         sys.exit(f"bench.candidate_cap: {args.report}: needs a report at temperature > 0 with target_tokens")
     device = torch.device(args.device)
-    drafter = DFlashDrafter.from_pretrained(
-        args.drafter, attention_backend="sdpa_dense", device=device, dtype=torch.float32
-    )
-    drafter = drafter.eval()
+    try:  # a drafter that cannot read this target's hidden states is refused before the target's weights are read
+        drafter = DFlashDrafter.from_pretrained(
+            args.drafter, attention_backend="sdpa_dense", device=device, dtype=torch.float32
+        ).eval()
+        check_drafter_fits(drafter.config, args.drafter, args.target, load_target_config(args.target))
+    except (DrafterError, TargetMismatch) as e:
+        sys.exit(f"bench.candidate_cap: {e}")
     if drafter.config.block_size != report["block_size"]:
         sys.exit(
             f"bench.candidate_cap: {args.drafter} drafts blocks of {drafter.config.block_size}, the report "
             f"{report['block_size']}"
         )
+    if top_ks[-1] > drafter.config.vocab_size:
+        sys.exit(f"bench.candidate_cap: --top-k {top_ks[-1]} exceeds the vocabulary of {drafter.config.vocab_size}")
     target = load_full_target(args.target, device=device, dtype=torch.float32)
     try:
         prompts = report_prompts(report, args.prompts, load_tokenizer(args.target), args.target)

@@ -161,6 +161,16 @@ def test_the_cli_reads_a_sampled_report_and_refuses_a_greedy_one(target, tiny_ta
     assert result["top_k"]["3"]["bound"]["first_acceptance"] == pytest.approx(
         sum(float(a.bound[3][0]) for a in want) / 3, rel=1e-5
     )
+    with pytest.raises(
+        SystemExit, match=f"--top-k {target.config.vocab_size + 1} exceeds the vocabulary of {target.config.vocab_size}"
+    ):
+        main([*args, "--top-k", str(target.config.vocab_size + 1)])
+    other = DFlashConfig.for_target(
+        {**target.config.to_dict(), "vocab_size": 700}, [1, 2], mask_token_id=699, num_layers=1, block_size=B
+    )
+    DFlashDrafter(other, attention_backend="sdpa_dense").save_pretrained(tmp_path / "other")
+    with pytest.raises(SystemExit, match="made for another target.*vocabulary 700"):
+        main([*args[:2], "--drafter", str(tmp_path / "other"), *args[4:]])
     report.write_text(json.dumps({**head, "sampling": {**sampling, "temperature": 0.0}, "per_prompt": rows}))
     with pytest.raises(SystemExit, match="needs a report at temperature > 0"):
         main(args)
