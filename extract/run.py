@@ -31,13 +31,12 @@ from dflash_pipeline.shared.runtime.launch import RankFailed, spawn_ranks
 from dflash_pipeline.shared.runtime.progress import progress_note
 from dflash_pipeline.shared.runtime.run_lock import LOCK_NAME, empty_locked_folder, run_lock
 from dflash_pipeline.shared.store import manifest as mf
+from dflash_pipeline.shared.store.errors import RESUME_HINT
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.shared.store.progress import any_rank_committed
 from dflash_pipeline.shared.target.assets import load_tokenizer
 from dflash_pipeline.shared.target.identity import config_hash, weights_fingerprint
 from dflash_pipeline.shared.target.loading import load_target_config, parse_layer_ids, text_config
-
-RESUME_HINT = "rerun the same command to resume from the last committed batch"
 
 
 class ExtractError(UserError, RuntimeError):
@@ -260,7 +259,8 @@ def run_spawned(cfg: ExtractConfig, layer_ids: list[int]) -> list[RankSummary]:
     try:
         return spawn_ranks(_spawned_rank, cfg.world_size, (cfg, layer_ids))
     except RankFailed as exc:
-        raise ExtractError(f"{exc}; {RESUME_HINT}") from exc
+        hint = "" if RESUME_HINT in str(exc) else f"; {RESUME_HINT}"  # a full disk's line has it
+        raise ExtractError(f"{exc}{hint}") from exc
 
 
 def under_torchrun() -> bool:

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
-from dflash_pipeline.shared.runtime.durable import replace_dir_durably, write_bytes_durably
+from dflash_pipeline.shared.runtime.durable import filling_folder, replace_dir_durably, write_bytes_durably
 from dflash_pipeline.shared.target.identity import TargetIdentity
 
 LATEST = "latest"
+RESUME_HINT = "rerun with --resume to continue from the last checkpoint"
 
 
 @dataclass
@@ -44,15 +45,14 @@ def save_checkpoint(
     root = checkpoint_dir(out)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:08d}"
-    tmp = root / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    target.save(tmp)  # a checkpoint is a drafter dflash-eval can check against its target
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
-    (tmp / "state.json").write_text(json.dumps(state.to_dict(), indent=1))
     final = root / name
-    replace_dir_durably(tmp, final)
-    write_bytes_durably(root / LATEST, name.encode())
+    with filling_folder(root / f".{name}.tmp", f"the checkpoint of step {state.step}", resume_hint(out)) as tmp:
+        model.save_pretrained(tmp)
+        target.save(tmp)  # a checkpoint is a drafter dflash-eval can check against its target
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps(state.to_dict(), indent=1))
+        replace_dir_durably(tmp, final)
+        write_bytes_durably(root / LATEST, name.encode())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -60,11 +60,16 @@ def save_checkpoint(
 
 def save_drafter(model: DFlashDrafter, folder: Path, target: TargetIdentity) -> None:
     """The trained drafter with its target's identity, written whole or not at all."""
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    target.save(tmp)
-    replace_dir_durably(tmp, folder)
+    with filling_folder(folder.with_name(f".{folder.name}.tmp"), "the drafter", resume_hint(folder.parent)) as tmp:
+        model.save_pretrained(tmp)
+        target.save(tmp)
+        replace_dir_durably(tmp, folder)
+
+
+def resume_hint(out: Path) -> str:
+    """What to do after a write under `out` failed for space, naming the checkpoint training goes on from."""
+    last = latest_checkpoint(out)
+    return f"free space there, then {RESUME_HINT} ({last.name if last else 'none is complete yet'})"
 
 
 def latest_checkpoint(out: Path) -> Path | None:

@@ -74,9 +74,6 @@ from dflash_pipeline.train.step import (
 EVAL_EPOCH = 2**31 - 1
 
 
-RESUME_HINT = "rerun with --resume to continue from the last checkpoint"
-
-
 class TrainingError(UserError, RuntimeError):
     """Training cannot continue (bad store, diverged loss, mismatched checkpoint)."""
 
@@ -362,7 +359,7 @@ class Trainer:
                 bar.close()  # the signal reached the step's helpers too (a compile's workers): it cannot end
                 raise TrainingStopped(
                     f"stopped by SIGTERM during step {state.step + 1:,} of {self.total_steps:,}, which its helper "
-                    f"processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
+                    f"processes did not survive ({type(exc).__name__}); {ckpt.RESUME_HINT}"
                 ) from exc
             state.step += 1
             state.epoch, state.step_in_epoch = epoch, k + 1
@@ -395,7 +392,7 @@ class Trainer:
         """What every rank raises once they agreed to stop: its line says how to go on."""
         return TrainingStopped(
             f"stopped by SIGTERM after step {self.state.step:,} of {self.total_steps:,}; its checkpoint is "
-            f"written: {RESUME_HINT}"
+            f"written: {ckpt.RESUME_HINT}"
         )
 
     def evaluation_due(self, step: int) -> bool:
@@ -652,7 +649,7 @@ def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None,
             held.enter_context(stopping_on_sigterm())
             cluster = None
             if dist.is_initialized():
-                cluster = held.enter_context(Cluster("dflash-train", cfg.collective_timeout, RESUME_HINT))
+                cluster = held.enter_context(Cluster("dflash-train", cfg.collective_timeout, ckpt.RESUME_HINT))
                 cluster.require_shared(Path(cfg.out), "--out")
             if torchrun:
                 lock_out_on_rank0(rank, cfg, held)

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from dflash_pipeline.shared.runtime.errors import DiskFull, is_disk_full
 
 
 def fsync_path(path: Path) -> None:
@@ -46,3 +50,30 @@ def replace_dir_durably(tmp: Path, final: Path) -> None:
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     fsync_path(final.parent)
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes for this user on the filesystem holding `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+@contextmanager
+def filling_folder(tmp: Path, what: str, then: str) -> Iterator[Path]:
+    """The block writes `what` into the fresh folder `tmp` (and puts it in place). If it fails, `tmp` is
+    removed, so no half-written folder stays, and a full disk becomes one `DiskFull` line naming `what`,
+    the folder, the space left and `then` (what to do)."""
+    tmp = Path(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except Exception as exc:
+        free = free_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, DiskFull) or not is_disk_full(exc, free):
+            raise
+        raise DiskFull(
+            f"writing {what} into {tmp.parent} failed: the disk is full ({free / 2**20:.1f} MiB free); {then}"
+        ) from exc

@@ -1,10 +1,12 @@
 """What a user can cause - bad data, a missing or foreign store, a wrong target or drafter, settings
 that do not fit - raises a `UserError`: its message is one complete line naming the path or option
 and what is wrong. Every CLI catches it once (`cli_errors`) and prints that line without a traceback;
-anything else is a bug and keeps its traceback. `--debug` or DFLASH_DEBUG=1 shows tracebacks always."""
+anything else is a bug and keeps its traceback, except a write that failed for a full disk (`DiskFull` where
+the write site names it, else recognised by `is_disk_full`). `--debug` or DFLASH_DEBUG=1 shows tracebacks always."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -18,6 +20,31 @@ DEBUG_ENV = "DFLASH_DEBUG"
 
 class UserError(Exception):
     """Base of every error a user can cause and fix; the message is complete for the user."""
+
+
+class DiskFull(UserError):
+    """A write failed because its disk (or quota) is full; the message says what, where and what to do."""
+
+
+NEARLY_FULL_BYTES = 64 * 2**20  # a failed write with less free than this is taken for a full disk
+
+
+def is_disk_full(exc: BaseException, free_bytes: int | None = None) -> bool:
+    """Whether `exc` is a write that failed for space: ENOSPC/EDQUOT or its text anywhere in its chain
+    (safetensors keeps only the text), or, given the free bytes measured after it, an I/O error with
+    almost nothing left (torch.save's writer drops the errno: it says `unexpected pos`)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, DiskFull):
+            return True
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return free_bytes is not None and free_bytes < NEARLY_FULL_BYTES and isinstance(exc, (OSError, RuntimeError))
 
 
 def debugging() -> bool:
@@ -49,6 +76,12 @@ def cli_errors(cli: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                     raise
                 close_progress_bars()
                 click.echo(f"{cli}: error: {first_line(exc)}", err=True)
+                sys.exit(1)
+            except Exception as exc:  # a full disk wherever no write site named it: still one line
+                if debugging() or not is_disk_full(exc):
+                    raise
+                close_progress_bars()
+                click.echo(f"{cli}: error: the disk is full: {first_line(exc)}", err=True)
                 sys.exit(1)
 
         return click.option("--debug", is_flag=True, help=f"Show tracebacks (also: {DEBUG_ENV}=1).")(main)

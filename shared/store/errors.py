@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dflash_pipeline.shared.runtime.errors import UserError
 
+RESUME_HINT = "rerun the same command to resume from the last committed batch"  # what a store's writer leaves
+
 
 class StoreError(UserError):
     """Base of the errors a feature store raises."""

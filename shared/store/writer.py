@@ -38,9 +38,10 @@ import zarr
 import zarr.codecs
 from zarr.core.sync import sync
 
-from dflash_pipeline.shared.runtime.durable import fsync_path, write_bytes_durably
+from dflash_pipeline.shared.runtime.durable import free_bytes, fsync_path, write_bytes_durably
+from dflash_pipeline.shared.runtime.errors import DiskFull, is_disk_full
 from dflash_pipeline.shared.store.codec import codec_pool, default_chunking, default_compression, parse_compression
-from dflash_pipeline.shared.store.errors import StoreError, StoreMismatch
+from dflash_pipeline.shared.store.errors import RESUME_HINT, StoreError, StoreMismatch
 from dflash_pipeline.shared.store.layout import (
     FORMAT_VERSION,
     SAMPLE_ARRAYS,
@@ -434,14 +435,24 @@ class StoreWriter:
             )
 
     def _write_shard(self, shard: _ShardRows) -> None:
-        """Write one shard's rows as whole shard files, fsynced, and the directories naming them."""
+        """Write one shard's rows as whole shard files, fsynced, and the directories naming them; a full
+        disk is one `DiskFull` line."""
         k = shard.start // self.shard_tokens
-        write_shards(
-            [(self._formats[name], k, rows[: shard.n]) for name, rows in zip(self.token_arrays, shard.arrays)],
-            codec_pool(),
-        )
-        for name in self.token_arrays:
-            self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1)], files=False)
+        try:
+            write_shards(
+                [(self._formats[name], k, rows[: shard.n]) for name, rows in zip(self.token_arrays, shard.arrays)],
+                codec_pool(),
+            )
+            for name in self.token_arrays:
+                self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1)], files=False)
+        except OSError as exc:
+            free = free_bytes(self.group_dir)
+            if not is_disk_full(exc, free):
+                raise
+            raise DiskFull(
+                f"writing shard {k} of {self.group_dir} failed: the disk is full ({free / 2**20:.1f} MiB free); "
+                f"free space there, then {RESUME_HINT}"
+            ) from exc
 
     def _fsync_chunks(self, name: str, coords: list[tuple[int, ...]], files: bool = True) -> None:
         """fsync the chunk/shard files at `coords` (unless `files` is False) and the directories leading to them."""

@@ -7,7 +7,6 @@ and the evaluator never need the target checkpoint to build and train the drafte
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -15,8 +14,9 @@ from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash_pipeline.shared.model.target_head import TargetHead
-from dflash_pipeline.shared.runtime.durable import replace_dir_durably
+from dflash_pipeline.shared.runtime.durable import filling_folder, replace_dir_durably
 from dflash_pipeline.shared.runtime.errors import first_line
+from dflash_pipeline.shared.store.errors import RESUME_HINT
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.shared.target.loading import TargetError, gguf_file_of, text_config
 
@@ -57,13 +57,15 @@ def export_target_assets(
     `model` may be the truncated target: its embedding, head and norm are the real ones.
     """
     final = StoreLayout(root).target_dir
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_target_head(model, target_config, tmp / StoreLayout.HEAD)
-    target_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp / StoreLayout.TOKENIZER)
-    replace_dir_durably(tmp, final)
+    what = "the target's embedding, head and tokenizer"
+    with filling_folder(
+        final.with_name(f"{final.name}.tmp-{os.getpid()}"), what, f"free space there, then {RESUME_HINT}"
+    ) as tmp:
+        tmp.mkdir(parents=True)
+        save_target_head(model, target_config, tmp / StoreLayout.HEAD)
+        target_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp / StoreLayout.TOKENIZER)
+        replace_dir_durably(tmp, final)
     return final
 
 
