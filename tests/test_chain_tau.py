@@ -8,6 +8,8 @@ and any count would pass).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,7 +122,11 @@ def test_the_chain_refuses_a_reply_too_short_for_its_limit():
 
 def test_dflash_eval_chain_reports_tau_at_each_window(target, tiny_target_dir, sample_corpus, tmp_path):
     decoded, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path / "decode")
-    chained, _ = run_eval(target, tiny_target_dir, sample_corpus, tmp_path / "chain", "--chain", "--windows", "9,1")
+    chained, output = run_eval(
+        target, tiny_target_dir, sample_corpus, tmp_path / "chain", "--chain", "--windows", "9,1"
+    )
+    assert "dflash-eval: the target's greedy replies to 3 prompts" in output
+    assert re.search(rf"dflash-eval --chain: 100%\|.*\| 3/3 .*tau {chained['tau_pooled']:.2f}", output), output
     assert chained["method"] == "chain" and chained["speedup"] is None and chained["all_lossless"] is None
     assert [r["target_tokens"] for r in chained["per_prompt"]] == [r["target_tokens"] for r in decoded["per_prompt"]]
     assert [r["accepted"] for r in chained["per_prompt"]] == [r["accepted"] for r in decoded["per_prompt"]]

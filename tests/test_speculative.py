@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -450,6 +451,9 @@ def test_dflash_eval_cli_writes_a_lossless_json_report(target, tiny_target_dir, 
     steps = [a for r in rows for a in r["accepted"]]
     assert report["tau_pooled"] == pytest.approx(sum(steps) / len(steps))
     assert json.loads(output[output.index("{") :])["tau"] == pytest.approx(report["tau"])
+    # the progress bar's last state: every prompt, with the pooled tau and the speedup so far
+    note = f"tau {report['tau_pooled']:.2f}, speedup {report['speedup']:.2f}x"
+    assert re.search(rf"dflash-eval: 100%\|.*\| 3/3 .*{re.escape(note)}", output), output
 
 
 def test_tau_is_the_mean_of_per_prompt_means_like_the_reference():

@@ -37,6 +37,7 @@ from dflash_pipeline.shared.runtime.config import (
 from dflash_pipeline.shared.runtime.device import DEVICE_HELP, resolve_device
 from dflash_pipeline.shared.runtime.durable import write_bytes_durably
 from dflash_pipeline.shared.runtime.errors import UserError, cli_errors, first_line
+from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
 from dflash_pipeline.shared.runtime.stop import Interrupted, interrupting_on_sigterm, stopping_on_sigterm
 
 # what a resumed report must share with the stopped one, so that its prompts mean the same thing
@@ -212,6 +213,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         warm = torch.tensor(prompts[left[0]], device=dev)
         target_generate(target, warm, 4, stop_ids, sampling, generator(0))
         dflash_generate(target, drafter, capture, warm, 4, stop_ids, cfg.block_size, sampling, generator(0))
+    bar = progress_bar(total=len(mine), initial=len(rows), unit="prompt", desc="dflash-eval")
     for n in left:
         ids = prompts[n]
         p = torch.tensor(ids, device=dev)
@@ -237,8 +239,19 @@ def evaluate(cfg: EvalConfig) -> dict:
                 "dflash_tokens": spec.tokens,
             }
         )
+        bar.set_postfix_str(running_summary(rows), refresh=False)  # shown at the update's refresh
+        bar.update()
+    bar.close()
     capture.close()
     return decoding_report(head, rows, len(mine))
+
+
+def running_summary(rows: list[dict]) -> str:
+    """The progress bar's note on the prompts decoded so far: pooled tau, and the speedup where timed."""
+    note = f"tau {taus([r['accepted'] for r in rows])['tau_pooled']:.2f}"
+    if "dflash_s" in rows[0]:
+        note += f", speedup {sum(r['target_s'] for r in rows) / sum(r['dflash_s'] for r in rows):.2f}x"
+    return note
 
 
 def decoding_report(head: dict, rows: list[dict], planned: int) -> dict:
@@ -322,10 +335,14 @@ def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[i
         raise click.UsageError(f"--chain drafts blocks of the drafter's size ({block_size}); leave --block-size out")
     dev = torch.device(cfg.device)
     head = TargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    progress_note(
+        f"dflash-eval: the target's greedy replies to {len(prompts)} prompts, {cfg.max_new_tokens} tokens each"
+    )
     replies = greedy_replies(target, prompts, cfg.max_new_tokens, stop_ids)
     lengths = sorted({cfg.max_new_tokens, *cfg.windows})
     accepted: dict[int, list[list[int]]] = {n: [] for n in lengths}
     rows = []
+    bar = progress_bar(total=len(prompts), unit="prompt", desc="dflash-eval --chain")
     for index, (ids, reply) in enumerate(zip(prompts, replies)):
         sequence = torch.tensor([*ids, *reply], device=dev)
         features = sequence_features(target, capture, sequence)
@@ -342,6 +359,9 @@ def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[i
                 "target_tokens": reply,
             }
         )
+        bar.set_postfix_str(running_summary(rows), refresh=False)  # shown at the update's refresh
+        bar.update()
+    bar.close()
     return {
         "target": cfg.target,
         "drafter": cfg.drafter,
