@@ -26,7 +26,7 @@ from dflash_pipeline.data.tokens import TokenizedSample
 from dflash_pipeline.extract.background_writer import BackgroundWriter
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.plan import owns, padded_fraction, plan_batches
-from dflash_pipeline.shared.runtime.durable import write_bytes_durably
+from dflash_pipeline.shared.runtime.durable import free_bytes, write_bytes_durably
 from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
 from dflash_pipeline.shared.store.fp8 import FP8, quantize
 from dflash_pipeline.shared.store.layout import SCALED_DTYPES, StoreLayout
@@ -323,6 +323,8 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
     done = writer.resume()
     summary.resumed_batches = done
     todo = plan.batches[done:]
+    if rank == 0 and todo:
+        warn_if_short_of_space(root, sum(lengths[i] for b in todo for i in b) * world_size, writer.bytes_per_token())
     if todo or needs_export:
         dtype = compute_dtype(cfg, device)
         if cfg.store_topk:  # the top-K distribution needs every layer, the final norm and the LM head
@@ -355,6 +357,19 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
     summary.seconds = time.perf_counter() - started
     write_rank_summary(root, summary)
     return summary
+
+
+def warn_if_short_of_space(root: Path, tokens: int, bytes_per_token: int) -> None:
+    """Say at the start, not hours later, when the store's disk cannot hold what is left to write. `tokens`
+    is rank 0's share times the ranks (round-robin shares are even); their states dominate a real store's
+    size (the codec saves ~15% of bf16 states, the target's files add a few %)."""
+    need, free = tokens * bytes_per_token, free_bytes(root)
+    if need > free:
+        progress_note(
+            f"dflash-extract: warning: the store needs about {need / 2**30:.2f} GiB more ({tokens:,} tokens x "
+            f"{bytes_per_token:,} B before compression) and {root} has {free / 2**30:.2f} GiB free: it will likely "
+            "stop with a full disk; free space or choose another --out"
+        )
 
 
 # Wall-clock times of one invocation: reported by the CLI, kept out of the store so that identical

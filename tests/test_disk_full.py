@@ -7,10 +7,12 @@ fails with `unexpected pos` and no errno, safetensors with only the text, zarr's
 from __future__ import annotations
 
 import errno
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from test_train import TRAIN_ARGS
 from test_user_errors import fails
@@ -95,12 +97,30 @@ def test_extract_on_a_full_disk_names_the_shard_and_the_rerun_completes(
     small_disk.grow(4 * folder_bytes(store) + 2**20)
     result = CliRunner().invoke(extract_main, args)
     assert result.exit_code == 0, result.output
+    assert "warning" not in result.output  # room for the rest: no warning
     rerun, whole = FeatureStore(disk / "store"), FeatureStore(store)
     assert len(rerun) == len(whole) > 0
     for i in range(len(whole)):
         a, b = rerun[i], whole[i]
         assert a.sample_index == b.sample_index and a.input_ids.tolist() == b.input_ids.tolist()
         assert a.loss_mask.tolist() == b.loss_mask.tolist() and a.hidden_states.equal(b.hidden_states)
+
+
+def test_extract_warns_at_the_start_when_the_disk_cannot_hold_the_store(
+    tiny_target_dir, small_corpus, store, small_disk
+):
+    disk = small_disk.mount(folder_bytes(store) // 3)
+    args = ["--target", str(tiny_target_dir), "--data", str(small_corpus), "--out", str(disk / "store")]
+    result = CliRunner().invoke(extract_main, [*args, "--device", "cpu", "--max-length", "256"])
+    assert result.exit_code == 1
+    whole = FeatureStore(store)
+    assert whole.hidden_dtype == torch.bfloat16
+    per_token = whole.hidden_width * 2 + 4 + 1  # states, an int32 id, a uint8 loss mask
+    warning = (
+        f"needs about .* GiB more \\({whole.num_tokens:,} tokens x {per_token:,} B before compression\\) and {disk}"
+    )
+    assert re.search(warning, result.output), result.output
+    assert result.output.index("warning") < result.output.index("extract rank 0: loading")  # before any work
 
 
 def test_a_failed_folder_write_is_removed_and_only_a_full_disk_is_renamed(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ store is then identical to an uninterrupted run.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -292,6 +293,13 @@ class StoreWriter:
         self._formats = {name: ShardFormat.of(self.group_dir / name) for name in self.token_arrays}
         self._cap_t = max(1, self.layout["capacity_tokens"])
         self._cap_n = max(1, self.layout["capacity_samples"])
+
+    def bytes_per_token(self) -> int:
+        """Bytes a token takes in this rank's arrays before compression (the store's size, up to the codec's
+        saving: ~15% on real bf16 states, none on fp8)."""
+        return sum(
+            self._arrays[name].dtype.itemsize * math.prod(self._arrays[name].shape[1:]) for name in self.token_arrays
+        )
 
     def _set_state(self, commit: Commit, offsets: list[int], index: list[int]) -> None:
         self._commit = commit
