@@ -323,8 +323,9 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
     done = writer.resume()
     summary.resumed_batches = done
     todo = plan.batches[done:]
+    todo_tokens = sum(lengths[i] for b in todo for i in b)
     if rank == 0 and todo:
-        warn_if_short_of_space(root, sum(lengths[i] for b in todo for i in b) * world_size, writer.bytes_per_token())
+        warn_if_short_of_space(root, todo_tokens * world_size, writer.bytes_per_token())
     if todo or needs_export:
         dtype = compute_dtype(cfg, device)
         if cfg.store_topk:  # the top-K distribution needs every layer, the final norm and the LM head
@@ -344,8 +345,9 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
     if todo:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         runner = BatchRunner(model, layer_ids, device, getattr(torch, cfg.store_dtype), pad_id, cfg.store_topk)
-        total = sum(lengths[i] for b in todo for i in b)
-        bar = progress_bar(total=total, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0)
+        bar = progress_bar(
+            total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0
+        )
         try:
             summary.computed_tokens, summary.writer_wait_s = run_batches(runner, samples, todo, writer, progress=bar)
         finally:

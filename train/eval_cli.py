@@ -249,9 +249,12 @@ def evaluate(cfg: EvalConfig) -> dict:
 def running_summary(rows: list[dict]) -> str:
     """The progress bar's note on the prompts decoded so far: pooled tau, and the speedup where timed."""
     note = f"tau {taus([r['accepted'] for r in rows])['tau_pooled']:.2f}"
-    if "dflash_s" in rows[0]:
-        note += f", speedup {sum(r['target_s'] for r in rows) / sum(r['dflash_s'] for r in rows):.2f}x"
-    return note
+    return note + (f", speedup {speedup(rows):.2f}x" if "dflash_s" in rows[0] else "")
+
+
+def speedup(rows: list[dict]) -> float | None:
+    """Target-only decoding's seconds over speculative decoding's, summed over the prompts decoded."""
+    return sum(r["target_s"] for r in rows) / sum(r["dflash_s"] for r in rows) if rows else None
 
 
 def decoding_report(head: dict, rows: list[dict], planned: int) -> dict:
@@ -263,7 +266,7 @@ def decoding_report(head: dict, rows: list[dict], planned: int) -> dict:
         "prompts_planned": planned,
         "complete": len(rows) == planned,
         **taus([r["accepted"] for r in rows]),
-        "speedup": sum(r["target_s"] for r in rows) / sum(r["dflash_s"] for r in rows) if rows else None,
+        "speedup": speedup(rows),
         "all_lossless": all(r["lossless"] for r in rows) if greedy else None,
         "lossless_check": "greedy: dflash_tokens must equal target_tokens"
         if greedy

@@ -70,10 +70,17 @@ def filling_folder(tmp: Path, what: str, then: str) -> Iterator[Path]:
     try:
         yield tmp
     except Exception as exc:
-        free = free_bytes(tmp)
+        full = disk_full_error(exc, tmp, f"{what} into {tmp.parent}", then)  # measured before the cleanup
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, DiskFull) or not is_disk_full(exc, free):
+        if full is None:
             raise
-        raise DiskFull(
-            f"writing {what} into {tmp.parent} failed: the disk is full ({free / 2**20:.1f} MiB free); {then}"
-        ) from exc
+        raise full from exc
+
+
+def disk_full_error(exc: Exception, path: Path, what: str, then: str) -> DiskFull | None:
+    """The one line for a write of `what` near `path` that failed for a full disk (the space left measured
+    now), or None if `exc` is something else or already says so."""
+    free = free_bytes(path)
+    if isinstance(exc, DiskFull) or not is_disk_full(exc, free):
+        return None
+    return DiskFull(f"writing {what} failed: the disk is full ({free / 2**20:.1f} MiB free); {then}")

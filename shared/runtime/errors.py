@@ -47,6 +47,14 @@ def is_disk_full(exc: BaseException, free_bytes: int | None = None) -> bool:
     return free_bytes is not None and free_bytes < NEARLY_FULL_BYTES and isinstance(exc, (OSError, RuntimeError))
 
 
+def user_line(exc: BaseException) -> str | None:
+    """The one line a user gets for `exc`: a `UserError`'s, or a full disk's wherever no write site named
+    it; None for anything else (a bug keeps its traceback)."""
+    if isinstance(exc, UserError):
+        return first_line(exc)
+    return f"the disk is full: {first_line(exc)}" if is_disk_full(exc) else None
+
+
 def debugging() -> bool:
     """True when tracebacks are wanted for user errors too (`--debug` or DFLASH_DEBUG=1)."""
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -71,17 +79,12 @@ def cli_errors(cli: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 os.environ[DEBUG_ENV] = "1"  # worker processes inherit it
             try:
                 return fn(*args, **kwargs)
-            except (UserError, RankFailed) as exc:
-                if debugging():
+            except Exception as exc:
+                line = first_line(exc) if isinstance(exc, RankFailed) else user_line(exc)
+                if line is None or debugging():
                     raise
                 close_progress_bars()
-                click.echo(f"{cli}: error: {first_line(exc)}", err=True)
-                sys.exit(1)
-            except Exception as exc:  # a full disk wherever no write site named it: still one line
-                if debugging() or not is_disk_full(exc):
-                    raise
-                close_progress_bars()
-                click.echo(f"{cli}: error: the disk is full: {first_line(exc)}", err=True)
+                click.echo(f"{cli}: error: {line}", err=True)
                 sys.exit(1)
 
         return click.option("--debug", is_flag=True, help=f"Show tracebacks (also: {DEBUG_ENV}=1).")(main)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from dflash_pipeline.shared.runtime.errors import UserError, debugging, first_line, is_disk_full
+from dflash_pipeline.shared.runtime.errors import debugging, first_line, user_line
 from dflash_pipeline.shared.runtime.progress import close_progress_bars
 from dflash_pipeline.shared.runtime.stop import stopping_on_sigterm
 
@@ -54,10 +54,10 @@ def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int)
         results.put((rank, "ok", fn(rank, *args)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
         close_progress_bars()
-        full = not isinstance(exc, UserError) and is_disk_full(exc)
-        if debugging() or not (isinstance(exc, UserError) or full):
+        line = user_line(exc)
+        if debugging() or line is None:
             traceback.print_exc()
-        results.put((rank, "error", ("the disk is full: " if full else "") + first_line(exc)))
+        results.put((rank, "error", line or first_line(exc)))
         raise SystemExit(1) from None
 
 

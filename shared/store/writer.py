@@ -39,8 +39,7 @@ import zarr
 import zarr.codecs
 from zarr.core.sync import sync
 
-from dflash_pipeline.shared.runtime.durable import free_bytes, fsync_path, write_bytes_durably
-from dflash_pipeline.shared.runtime.errors import DiskFull, is_disk_full
+from dflash_pipeline.shared.runtime.durable import disk_full_error, fsync_path, write_bytes_durably
 from dflash_pipeline.shared.store.codec import codec_pool, default_chunking, default_compression, parse_compression
 from dflash_pipeline.shared.store.errors import RESUME_HINT, StoreError, StoreMismatch
 from dflash_pipeline.shared.store.layout import (
@@ -454,13 +453,12 @@ class StoreWriter:
             for name in self.token_arrays:
                 self._fsync_chunks(name, [(k,) + (0,) * (self._arrays[name].ndim - 1)], files=False)
         except OSError as exc:
-            free = free_bytes(self.group_dir)
-            if not is_disk_full(exc, free):
+            full = disk_full_error(
+                exc, self.group_dir, f"shard {k} of {self.group_dir}", f"free space there, then {RESUME_HINT}"
+            )
+            if full is None:
                 raise
-            raise DiskFull(
-                f"writing shard {k} of {self.group_dir} failed: the disk is full ({free / 2**20:.1f} MiB free); "
-                f"free space there, then {RESUME_HINT}"
-            ) from exc
+            raise full from exc
 
     def _fsync_chunks(self, name: str, coords: list[tuple[int, ...]], files: bool = True) -> None:
         """fsync the chunk/shard files at `coords` (unless `files` is False) and the directories leading to them."""
