@@ -417,7 +417,7 @@ def evaluate(args) -> None:
             method = "_chain" if args.chain else ""
             stem = f"eval_{run.name}{tag}_T{temperature:g}{method}_N{args.max_new_tokens}"
             report = args.out / f"{stem}.json"
-            if report.exists() and read(report).get("complete", True):
+            if covers(report, args.limit):
                 continue
             cmd = [
                 *CLI,
@@ -451,7 +451,7 @@ def evaluate(args) -> None:
             parts = [args.out / SHARDS_DIR / f"{stem}.{i}of{args.shards}.json" for i in range(args.shards)]
             merges[report] = (name, parts)
             for i, part in enumerate(parts):
-                if not (part.exists() and read(part)["complete"]):
+                if not covers(part, len(range(i, args.limit, args.shards))):
                     shard = [*reporting(cmd, part), "--shards", str(args.shards), "--shard", str(i)]
                     log = args.out / "logs" / f"{part.stem}.log"
                     jobs.append(Evaluation(f"{name} shard {i}/{args.shards}", shard, log, part))
@@ -480,6 +480,16 @@ def evaluate(args) -> None:
         sys.exit("quality_scale evaluate: stopped by SIGTERM; a rerun finishes what was left")
     if failed:
         sys.exit(f"quality_scale evaluate: {len(failed)} of {len(jobs)} failed: {', '.join(failed)}")
+
+
+def covers(report: Path, prompts: int) -> bool:
+    """`report` needs no dflash-eval: it is complete and planned at least `prompts` prompts. A line with a
+    larger --limit than the report's extends it (`reporting`'s --resume keeps its prompts); one over the prompt
+    file's count reruns dflash-eval, which finds nothing left."""
+    if not report.exists():
+        return False
+    done = read(report)
+    return done.get("complete", True) and done.get("prompts_planned", prompts) >= prompts
 
 
 def reporting(cmd: list[str], report: Path) -> list[str]:

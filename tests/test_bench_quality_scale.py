@@ -354,6 +354,41 @@ def test_sharded_evaluations_merge_and_a_rerun_finishes_a_cut_shard(scale_run: S
 
 
 @pytest.mark.slow
+def test_a_larger_limit_extends_a_complete_evaluation(scale_run: SimpleNamespace, tmp_path: Path) -> None:
+    """A line with a larger --limit than a complete report's decodes only the prompts it lacks (dflash-eval
+    --resume); the same --limit again runs nothing."""
+    shutil.copytree(scale_run.out / "on_bf16" / "drafter", tmp_path / "on_bf16" / "drafter")
+    evaluate = ["--out", str(tmp_path), "--prompts", str(scale_run.prompts), "--device", "cpu"]
+    evaluate += ["--target", str(scale_run.target), "--max-new-tokens", "8", "--temperature", "0"]
+    assert stage("evaluate", *evaluate, "--limit", "1").returncode == 0
+    report = tmp_path / "eval_on_bf16_T0_N8.json"
+    first = json.loads(report.read_text())["per_prompt"]
+    extended = stage("evaluate", *evaluate, "--limit", "2")
+    assert extended.returncode == 0, extended.stderr
+    assert "evaluate on_bf16 T=0 N=8: tau " in extended.stdout
+    log = (tmp_path / "logs" / "eval_on_bf16_T0_N8.log").read_text()
+    assert [line.endswith("--resume") for line in log.splitlines() if "eval_cli" in line] == [False, True]
+    rows = json.loads(report.read_text())["per_prompt"]
+    whole = json.loads((scale_run.out / "eval_on_bf16_T0_N8.json").read_text())["per_prompt"]  # --limit 2 at once
+    assert rows[0] == first[0] and len(rows) == 2
+    assert [(r["dflash_tokens"], r["accepted"]) for r in rows] == [(r["dflash_tokens"], r["accepted"]) for r in whole]
+    again = stage("evaluate", *evaluate, "--limit", "2")
+    assert again.returncode == 0 and "== evaluate" not in again.stdout
+    sharded = [*evaluate, "--shards", "2", "--parallel", "2"]
+    sharded[1] = str(tmp_path / "sharded")
+    shutil.copytree(tmp_path / "on_bf16", tmp_path / "sharded" / "on_bf16")
+    assert stage("evaluate", *sharded, "--limit", "2").returncode == 0  # one prompt a shard
+    merged = tmp_path / "sharded" / "eval_on_bf16_T0_N8.json"
+    before = json.loads(merged.read_text())["per_prompt"]
+    extended = stage("evaluate", *sharded, "--limit", "4")  # two a shard: each shard resumed
+    assert extended.returncode == 0, extended.stderr
+    after = json.loads(merged.read_text())
+    assert (after["num_prompts"], after["complete"]) == (4, True)
+    assert [r["prompt_index"] for r in after["per_prompt"]] == [0, 1, 2, 3]
+    assert after["per_prompt"][:2] == before  # the rows decoded first are kept, timings too
+
+
+@pytest.mark.slow
 def test_chain_evaluations_count_what_decoding_counted(scale_run: SimpleNamespace, tmp_path: Path) -> None:
     """`evaluate --chain`: the same greedy counts as the decoding evaluation of the same drafter, tau at
     each window, no speedup."""
