@@ -379,10 +379,9 @@ def test_wrong_mask_type_and_width_are_clear_errors():
         model(batch["ctx"][..., :H], batch["emb"], batch["pos"], batch["block_positions"], dense)
 
 
-@pytest.mark.slow
-def test_compiled_flex_drafter_forward_equals_dense():
-    """The drafter's flex_compiled backend (CPU: forward only) on one bucketed shape."""
-    model = tiny_drafter(block_size=16)
+def bucketed_batch():
+    """One pack of a bucketed shape (S 128, 8 blocks of 16) for the compiled flex kernel: (batch, block
+    mask, dense mask)."""
     S, N, B = 128, 8, 16
     g = torch.Generator().manual_seed(0)
     doc = torch.cat([torch.zeros(70, dtype=torch.long), torch.ones(50, dtype=torch.long), torch.full((8,), -1)])
@@ -401,8 +400,39 @@ def test_compiled_flex_drafter_forward_equals_dense():
             }
         ]
     )
-    block_mask, dense = masks(batch, B)
+    return (batch, *masks(batch, B))
+
+
+@pytest.mark.slow
+def test_compiled_flex_drafter_forward_equals_dense():
+    """The drafter's flex_compiled backend (CPU: forward only) on one bucketed shape."""
+    model = tiny_drafter(block_size=16)
+    batch, block_mask, dense = bucketed_batch()
     with torch.no_grad():
         out = run(model, batch, block_mask, "flex_compiled")
         ref = run(model, batch, dense, "sdpa_dense")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_compiled_drafter_leaves_compiled_flex_to_the_eager_drafter(monkeypatch):
+    """`dflash-train --compile-drafter` traces the drafter (and `compiled_flex()` in it) before the
+    held-out evaluation runs the same drafter eagerly. dynamo treats the nested torch.compile as a
+    no-op, so had the trace created the process's compiled flex it would have cached the bare
+    flex_attention: the evaluation would run unfused flex (its "called without torch.compile" warning)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(A, "_compiled_flex", None)  # as in a fresh process: the trace comes first
+    torch._dynamo.reset()
+    model = tiny_drafter(block_size=16)
+    model.attention_backend = "flex_compiled"
+    batch, block_mask, dense = bucketed_batch()
+    inputs = (batch["ctx"], batch["emb"], batch["pos"], batch["block_positions"], block_mask)
+    with torch.no_grad():
+        torch.compile(model, dynamic=False, backend="aot_eager")(*inputs)  # the training forward's trace
+        with A.CompileCounter() as counter:
+            out = run(model, batch, block_mask, "flex_compiled")  # the evaluation's eager forward
+        ref = run(model, batch, dense, "sdpa_dense")
+    assert A.compiled_flex() is not flex_attention
+    assert counter.count == 1  # the eager drafter's flex ran compiled (one graph), not unfused
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

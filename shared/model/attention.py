@@ -241,8 +241,15 @@ _fallback_rung = 0
 
 
 def compiled_flex() -> Callable:
-    """`torch.compile(flex_attention, dynamic=False)`, created once per process."""
+    """`torch.compile(flex_attention, dynamic=False)`, created once per process.
+
+    Inside a compiled region (`--compile-drafter`) plain flex_attention is returned and nothing is
+    cached: dynamo traces flex into that graph itself and treats a nested `torch.compile` as a no-op,
+    so creating the cache there would store the bare, unfused flex_attention for every later eager
+    call (the held-out evaluation's)."""
     global _compiled_flex
+    if torch.compiler.is_compiling():
+        return flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
