@@ -27,7 +27,8 @@ into the evaluation's report). `evaluate --runs NAME` picks runs. `evaluate --ch
 reference benchmark's 2,048 new tokens on all held-out prompts in seconds, no speedup. On the GPU machine, `bench/gpu_session.sh scale`
 runs the lines of a plan file (bench/plans/, format in bench/scale_plan.sh) against deadlines. An
 evaluate stage cut by its deadline (SIGTERM) keeps the prompts each running dflash-eval finished
-(`complete: false` in the report) and starts no more; run again, it resumes those and runs the rest.
+(`complete: false` in the report) and starts no more; run again, it resumes those and runs the rest. Run
+with a larger `--limit`, it extends complete reports by the prompts they lack.
 
 Issue 19's ce vs kl on one store: `regenerate --store-topk 16` (the target's top-16 beside the states),
 then `train --name ce --loss ce` and `train --name kl --loss kl` (or `--loss mix --kl-weight W`), and
