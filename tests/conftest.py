@@ -69,6 +69,12 @@ def extract_cpu_store(tiny_target_dir: Path):
     return extract
 
 
+@pytest.fixture(scope="module")
+def store(extract_cpu_store, small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target's store of the small corpus, one per test module that asks for it."""
+    return extract_cpu_store(small_corpus, tmp_path_factory.mktemp("store") / "store")
+
+
 @pytest.fixture
 def lock_holder():
     """`hold(folder) -> Popen`: a child process that holds `folder`'s run lock (as a running

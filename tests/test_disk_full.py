@@ -61,11 +61,6 @@ def small_disk(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def store(extract_cpu_store, small_corpus, tmp_path_factory) -> Path:
-    return extract_cpu_store(small_corpus, tmp_path_factory.mktemp("store") / "store")
-
-
-@pytest.fixture(scope="module")
 def uninterrupted(store, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run") / "run"
     result = CliRunner().invoke(train_main, ["--store", str(store), "--out", str(out), *RUN_ARGS])

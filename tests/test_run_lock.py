@@ -136,11 +136,6 @@ def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path):
     assert str(refused.value) == f"{out / LOCK_NAME}: cannot create the run lock (File exists)"
 
 
-@pytest.fixture(scope="module")
-def store(extract_cpu_store, small_corpus, tmp_path_factory) -> Path:
-    return extract_cpu_store(small_corpus, tmp_path_factory.mktemp("store") / "store")
-
-
 def training_with_a_checkpoint(store: Path, run: Path, *extra: str) -> subprocess.Popen:
     """A long `dflash-train` (in a session of its own) that has written its first checkpoint."""
     first = subprocess.Popen(

@@ -27,11 +27,6 @@ TRAIN_ARGS = [*TINY_DRAFTER_ARGS, "--max-steps", "1"]
 
 
 @pytest.fixture(scope="module")
-def store(extract_cpu_store, small_corpus, tmp_path_factory) -> Path:
-    return extract_cpu_store(small_corpus, tmp_path_factory.mktemp("store") / "store")
-
-
-@pytest.fixture(scope="module")
 def drafter(store, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run") / "run"
     run_training(base_config(store, out, max_steps=1))
