@@ -50,6 +50,13 @@ def source(run: Path) -> tuple[Path, str]:
     return folder, folder.name if tag else "final"
 
 
+def reproducible(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    """A member without the time and owner of its writing: a pack of the same drafter gives the same
+    bytes again, so a part that did not come back can be packed again and sent beside the others."""
+    member.mtime, member.uid, member.gid, member.uname, member.gname = 0, 0, 0, "", ""
+    return member
+
+
 def pack(run: Path, parts_dir: Path) -> list[Path]:
     """The run's drafter, bfloat16, as a tar in parts of at most PART_BYTES in `parts_dir` (replacing the
     parts of an earlier pack of the run still there)."""
@@ -62,7 +69,7 @@ def pack(run: Path, parts_dir: Path) -> list[Path]:
             if p.is_file() and p.name not in {CONFIG_FILE, WEIGHTS_FILE, *SKIPPED}:
                 shutil.copy2(p, written / p.name)
         for p in sorted(written.iterdir()):
-            tar.add(p, arcname=p.name)
+            tar.add(p, arcname=p.name, filter=reproducible)
     data = blob.getvalue()
     count, sha = -(-len(data) // PART_BYTES), hashlib.sha256(data).hexdigest()[:12]
     parts_dir.mkdir(parents=True, exist_ok=True)

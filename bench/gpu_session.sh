@@ -57,7 +57,7 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, record the exit
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date +%T))"
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1  # killed 5 s on if it ignores SIGTERM
   local rc=$?
   tail -n 25 "$OUT/$name.log"
   echo "=== $name rc=$rc in $((SECONDS - t0)) s"

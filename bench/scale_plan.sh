@@ -12,6 +12,8 @@
 # when that one ends, the plan waits for the background lines (each still under its own deadline) before
 # `report`: two drafters train at once on one GPU whose steps leave it idle between kernels.
 # SCALE_TRAIN_FLAGS in the environment (e.g. --no-compile-drafter) is appended to every train line.
+# A line still running PLAN_KILL_AFTER seconds (default 10) after the SIGTERM of its deadline is killed with
+# its processes (a stage stuck where it does not act on SIGTERM would otherwise take the rest of the call).
 #   bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]
 set -u
 [ $# -ge 5 ] || { echo "usage: bash bench/scale_plan.sh PLAN RUN PROMPTS TARGET JSON [STARTED]"; exit 2; }
@@ -34,9 +36,13 @@ done < "$plan"
 run_line() {
   local n=$1 left=$2 stage=$3 args=$4 rc
   # shellcheck disable=SC2086 # ARGS split on whitespace, as documented
-  timeout "$left" "${qs[@]}" "$stage" "${where[@]}" $args
+  timeout -k "${PLAN_KILL_AFTER:-10}" "$left" "${qs[@]}" "$stage" "${where[@]}" $args
   rc=$?
-  [ $rc -eq 124 ] && printf '\n--- plan line %s: cut at its deadline\n' "$n" || echo "--- plan line $n: rc=$rc"
+  case $rc in
+    124) printf '\n--- plan line %s: cut at its deadline\n' "$n" ;;
+    137) printf '\n--- plan line %s: killed %s s after its deadline: it did not stop on SIGTERM\n' "$n" "${PLAN_KILL_AFTER:-10}" ;;
+    *) echo "--- plan line $n: rc=$rc" ;;
+  esac
   return $rc
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,21 @@ def test_a_part_cut_short_is_named(tmp_path: Path, monkeypatch) -> None:
     written[1].write_bytes(written[1].read_bytes()[:100])
     with pytest.raises(SystemExit, match=r"drafter_d2_final\.[0-9a-f]{12}\.tar from \d+ parts: sha256 mismatch"):
         parts.unpack(tmp_path / "parts", tmp_path / "next")
+
+
+def test_a_part_lost_on_the_way_is_packed_again_alike(tmp_path: Path, monkeypatch) -> None:
+    """A call's return limits can drop a part that `send` already moved out: packing the same drafter
+    again, seconds later, must give the same parts, or the ones that came back are no use."""
+    run, model = trained_run(tmp_path / "gpu", final=False)
+    monkeypatch.setattr(parts, "PART_BYTES", 8_000)
+    first = parts.pack(run, tmp_path / "parts")
+    arrived = tmp_path / "arrived"
+    arrived.mkdir()
+    for p in first[:-1]:  # the last one lost
+        p.rename(arrived / p.name)
+    time.sleep(1.1)  # a tar's times are whole seconds
+    again = parts.pack(run, tmp_path / "parts2")
+    assert [p.name for p in again] == [p.name for p in first]
+    again[-1].rename(arrived / again[-1].name)
+    (target,) = parts.unpack(arrived, tmp_path / "next")
+    assert_bfloat16_of(target, model)

@@ -595,12 +595,13 @@ def test_scale_train_flags_reach_every_train_line_and_no_other(tmp_path: Path) -
 
 STAGE_STAND_IN = """#!/usr/bin/env bash
 # python3 for scale_plan.sh: a stage (-m bench.quality_scale STAGE --out RUN ... --name NAME) logs its start
-# and end around a second's sleep (two for NAME=slow) and fails for NAME=bad; report is logged; anything
-# else is the real python
+# and end around a second's sleep (two for NAME=slow) and fails for NAME=bad; NAME=stuck ignores SIGTERM
+# for a minute; report is logged; anything else is the real python
 log=$PWD/stages.log
 if [ "$3" = report ]; then echo "report $(date +%s.%N)" >> $log; exit 0; fi
 if [ "$1" = -m ] && [ "$2" = bench.quality_scale ]; then
   name=${@: -1}
+  if [ "$name" = stuck ]; then trap '' TERM; echo "start stuck $(date +%s.%N)" >> $log; sleep 60; exit 0; fi
   echo "start $name $(date +%s.%N)" >> $log; sleep 1; [ "$name" = slow ] && sleep 1; echo "end $name $(date +%s.%N)" >> $log
   [ "$name" != bad ]; exit $?
 fi
@@ -625,6 +626,24 @@ def test_scale_plan_runs_a_line_ending_in_ampersand_beside_the_next_and_waits_fo
     assert at[("start", "b")] < at[("end", "slow")]  # slow beside b
     assert at[("end", "slow")] <= reports[0] <= at[("start", "c")]  # and waited for though b ended first
     assert reports[1] <= at[("start", "bad")] and at[("end", "bad")] <= reports[2]
+
+
+def test_scale_plan_kills_a_line_that_ignores_its_deadline_and_goes_on(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(STAGE_STAND_IN.replace("REAL", sys.executable))
+    (bin_dir / "python3").chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    began = time.monotonic()
+    done = scale_plan(
+        tmp_path, "8 train --name stuck\n30 train --name b\n", int(time.time()), PATH=path, PLAN_KILL_AFTER="1"
+    )
+    assert time.monotonic() - began < 25, done.stdout  # not the stuck line's minute
+    assert done.returncode == 1
+    assert "--- plan line 1: killed 1 s after its deadline: it did not stop on SIGTERM" in done.stdout
+    assert "--- plan line 2: rc=0" in done.stdout
+    log = [" ".join(line.split()[:-1]) for line in (tmp_path / "stages.log").read_text().splitlines()]
+    assert log == ["start stuck", "report", "start b", "end b", "report"]
 
 
 def test_online_tau_splits_where_the_trainers_head_ends() -> None:

@@ -19,6 +19,7 @@ from test_extract_resume import spawned_children
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.shared.runtime.launch import free_port, spawn_ranks
 from dflash_pipeline.shared.store.reader import FeatureStore
+from dflash_pipeline.train import feed
 from dflash_pipeline.train.config import TrainConfig
 from dflash_pipeline.train.dataset import PackSpec, StepDataset, StepPlan, batch_layout, build_batch, build_pack
 from dflash_pipeline.train.feed import SlotLayout, SlotRing, device_batches, slots_needed
@@ -167,6 +168,20 @@ def test_in_process_batches_equal_worker_batches(store_dir):
     assert [(e, k) for e, k, _ in inline] == [(e, k) for e, k, _ in spawned] == schedule
     for (_, _, a), (_, _, b) in zip(inline, spawned):
         assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_no_steps_start_no_loader(store_dir, monkeypatch):
+    """A resumed run already at its end asks for no batches: no slot ring, no worker processes."""
+    store = FeatureStore(store_dir)
+    plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=5, rank=0, world=1, packs_per_step=1)
+    dataset = StepDataset(str(store_dir), plan, PackSpec(256, 16, 8, 0, 512))
+
+    def no_loader(*args, **kwargs):
+        raise AssertionError("a loader was built for no steps")
+
+    monkeypatch.setattr(feed, "DataLoader", no_loader)
+    monkeypatch.setattr(feed, "SlotRing", no_loader)
+    assert list(device_batches(dataset, [], 8, torch.device("cpu"))) == []
 
 
 def test_batch_layout_is_what_build_pack_makes(store_dir):

@@ -145,8 +145,9 @@ def device_batches(
     """(epoch, k, batch on `device`) for each (epoch, k) of `steps`, in order, built by `workers`
     processes (0: in this process) from a copy of `dataset` given the slot ring. A yielded batch never
     shares memory with a slot. Entries an item carries besides its slot number (a dataset subclass's
-    extras) join the batch as tensors."""
-    if workers == 0:
+    extras) join the batch as tensors. No steps (a resumed run already at its end) starts no workers:
+    they would only be shut down while they start."""
+    if workers == 0 or not steps:
         for epoch, k in steps:
             _, _, batch = dataset[(epoch, k, None)]
             yield epoch, k, to_device(batch, device)
