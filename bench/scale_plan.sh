@@ -20,6 +20,7 @@ set -u
 plan=$1 run=$2 prompts=$3 target=$4 json=$5 started=${6:-$(date +%s)}
 [ -f "$plan" ] || { echo "$plan: no such plan file"; exit 2; }
 qs=(python3 -m bench.quality_scale)
+kill_after=${PLAN_KILL_AFTER:-10}
 
 lines=()  # "NUMBER DEADLINE STAGE ARGS..." of each line to run
 n=0
@@ -36,11 +37,11 @@ done < "$plan"
 run_line() {
   local n=$1 left=$2 stage=$3 args=$4 rc
   # shellcheck disable=SC2086 # ARGS split on whitespace, as documented
-  timeout -k "${PLAN_KILL_AFTER:-10}" "$left" "${qs[@]}" "$stage" "${where[@]}" $args
+  timeout -k "$kill_after" "$left" "${qs[@]}" "$stage" "${where[@]}" $args
   rc=$?
   case $rc in
     124) printf '\n--- plan line %s: cut at its deadline\n' "$n" ;;
-    137) printf '\n--- plan line %s: killed %s s after its deadline: it did not stop on SIGTERM\n' "$n" "${PLAN_KILL_AFTER:-10}" ;;
+    137) printf '\n--- plan line %s: killed %s s after its deadline: it did not stop on SIGTERM\n' "$n" "$kill_after" ;;
     *) echo "--- plan line $n: rc=$rc" ;;
   esac
   return $rc

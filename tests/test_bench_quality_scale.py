@@ -609,13 +609,18 @@ exec REAL "$@"
 """
 
 
-def test_scale_plan_runs_a_line_ending_in_ampersand_beside_the_next_and_waits_for_it(tmp_path: Path) -> None:
+def stand_in_path(tmp_path: Path) -> str:
+    """A PATH whose python3 is STAGE_STAND_IN."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(STAGE_STAND_IN.replace("REAL", sys.executable))
     (bin_dir / "python3").chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_scale_plan_runs_a_line_ending_in_ampersand_beside_the_next_and_waits_for_it(tmp_path: Path) -> None:
     plan = "60 train --name slow &\n60 train --name b\n70 train --name c\n80 train --name bad &\n"
-    done = scale_plan(tmp_path, plan, int(time.time()), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    done = scale_plan(tmp_path, plan, int(time.time()), PATH=stand_in_path(tmp_path))
     assert done.returncode == 1, done.stdout + done.stderr  # the failed background line counts
     assert "--- plan line 1: train --name slow (until 60 s: " in done.stdout
     assert done.stdout.count("in the background") == 2
@@ -629,11 +634,7 @@ def test_scale_plan_runs_a_line_ending_in_ampersand_beside_the_next_and_waits_fo
 
 
 def test_scale_plan_kills_a_line_that_ignores_its_deadline_and_goes_on(tmp_path: Path) -> None:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(STAGE_STAND_IN.replace("REAL", sys.executable))
-    (bin_dir / "python3").chmod(0o755)
-    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    path = stand_in_path(tmp_path)
     began = time.monotonic()
     done = scale_plan(
         tmp_path, "8 train --name stuck\n30 train --name b\n", int(time.time()), PATH=path, PLAN_KILL_AFTER="1"

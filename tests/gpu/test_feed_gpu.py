@@ -3,6 +3,8 @@
 Run on the GPU machine: `python -m pytest tests/gpu -q`.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,17 @@ from dflash_pipeline.train.feed import device_batches, slots_needed
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def sample_store(target: Path, tmp_path: Path, **extract) -> Path:
+    """A store of the sample corpus's first 64 conversations, extracted on the CPU into tmp_path/store."""
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:64]) + "\n")
+    store = tmp_path / "store"
+    run_extraction(
+        ExtractConfig(target=str(target), data=(str(data),), out=str(store), device="cpu", max_length=256, **extract)
+    )
+    return store
+
+
 @pytest.mark.parametrize(
     "workers, prefetch, store_dtype", [(1, 1, "bfloat16"), (2, 2, "bfloat16"), (2, 2, "float8_e4m3fn")]
 )
@@ -27,20 +40,7 @@ def test_cuda_batches_equal_in_process_batches_through_reused_pinned_slots(
     busy (as a training step would) so copies on the feed's stream run beside it: a slot refilled
     before its copy finished, or a batch read before its copy landed, shows as a mismatch. An fp8
     store's batches carry codes and scales (compared as bytes)."""
-    data = tmp_path / "corpus.jsonl"
-    data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:64]) + "\n")
-    run_extraction(
-        ExtractConfig(
-            target=str(tiny_target_dir),
-            data=(str(data),),
-            out=str(tmp_path / "store"),
-            device="cpu",
-            max_length=256,
-            batch_tokens=2048,
-            store_dtype=store_dtype,
-        )
-    )
-    store = FeatureStore(tmp_path / "store")
+    store = FeatureStore(sample_store(tiny_target_dir, tmp_path, batch_tokens=2048, store_dtype=store_dtype))
     plan = StepPlan(np.arange(len(store)), np.asarray(store.lengths), 256, seed=1, rank=0, world=1, packs_per_step=2)
     spec = PackSpec(256, 16, 8, 0, 512)
     schedule = plan.schedule(8)[:12]

@@ -10,21 +10,13 @@ import sys
 
 import pytest
 import torch
-
-from dflash_pipeline.data import sample_corpus_path
-from dflash_pipeline.extract.config import ExtractConfig
-from dflash_pipeline.extract.run import run_extraction
+from test_feed_gpu import sample_store
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_a_finished_run_resumed_on_cuda_with_workers_ends(tiny_target_dir, tmp_path):
-    data = tmp_path / "corpus.jsonl"
-    data.write_text("\n".join(sample_corpus_path().read_text().splitlines()[:64]) + "\n")
-    store = tmp_path / "store"
-    run_extraction(
-        ExtractConfig(target=str(tiny_target_dir), data=(str(data),), out=str(store), device="cpu", max_length=256)
-    )
+    store = sample_store(tiny_target_dir, tmp_path)
     out = tmp_path / "run"
     train = [
         sys.executable, "-m", "dflash_pipeline.train.cli", "--store", str(store), "--out", str(out), "--gpus", "0",
@@ -34,8 +26,9 @@ def test_a_finished_run_resumed_on_cuda_with_workers_ends(tiny_target_dir, tmp_p
     subprocess.run(train, check=True, timeout=600)
     metrics = out / "metrics.jsonl"
     last_eval = json.dumps({"step": 6, "type": "eval"})[:-1]
-    kept = [line for line in metrics.read_text().splitlines() if not line.startswith(last_eval)]
-    assert len(kept) < len(metrics.read_text().splitlines())
+    lines = metrics.read_text().splitlines()
+    kept = [line for line in lines if not line.startswith(last_eval)]
+    assert len(kept) < len(lines)
     metrics.write_text("\n".join(kept) + "\n")  # as a SIGTERM after the last step leaves it
     for f in (out / "drafter").iterdir():
         f.unlink()
