@@ -27,7 +27,7 @@ from dflash_pipeline.extract.background_writer import BackgroundWriter
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.plan import owns, padded_fraction, plan_batches
 from dflash_pipeline.shared.runtime.durable import free_bytes, write_bytes_durably
-from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
+from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note, silence_library_bars
 from dflash_pipeline.shared.store.fp8 import FP8, quantize
 from dflash_pipeline.shared.store.layout import SCALED_DTYPES, StoreLayout
 from dflash_pipeline.shared.store.writer import StoreWriter
@@ -286,6 +286,8 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
     from dflash_pipeline.shared.target.loading import load_target_config, text_config
 
     started = time.perf_counter()
+    if rank != 0:
+        silence_library_bars()
     root = Path(cfg.out)
     tokenizer = load_tokenizer(cfg.target)
     samples, summary, read_stats = load_owned_samples(cfg, tokenizer, rank, world_size, device)

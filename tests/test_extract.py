@@ -337,6 +337,8 @@ def test_reading_tokenizing_and_loading_are_shown_before_the_first_batch(tiny_ta
     notes = [lines[first[0]], lines[first[3]], lines[first[5]]]
     assert all(re.fullmatch(r"\d\d:\d\d:\d\d (dflash-extract|extract rank 0): .+", note) for note in notes), notes
     assert not any("rank 1" in line for line in lines)  # one rank speaks for all
+    # ... transformers' bar too: another rank's, left mid-line, would swallow rank 0's next note
+    assert sum(line.startswith("Loading weights:   0%") for line in lines) == 1, proc.stderr
     assert len(lines) < 30, proc.stderr  # no line per record
 
 

@@ -32,3 +32,12 @@ def close_progress_bars() -> None:
     """End every open bar's line, so that an error printed next starts a line of its own."""
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
+
+
+def silence_library_bars() -> None:
+    """Turn transformers' own bars ("Loading weights") off in this process. Ranks other than 0 call
+    it: their bars would share stderr with rank 0's lines and break them mid-line, and rank 0's bar
+    already shows the step."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
