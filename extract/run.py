@@ -53,6 +53,7 @@ class RunSummary:
     computed_tokens: int
     seconds: float
     store_bytes: int
+    target_bytes: int  # of store_bytes: the target's embedding, LM head and tokenizer, stored once
     resumed: bool
     already_complete: bool = False
     regenerated: dict | None = None
@@ -62,7 +63,7 @@ class RunSummary:
 
     def lines(self) -> list[str]:
         rate = self.computed_tokens / self.seconds if self.seconds > 0 else 0.0
-        per_token = self.store_bytes / max(1, self.tokens)
+        per_token = (self.store_bytes - self.target_bytes) / max(1, self.tokens)
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
         return [
             f"store      {self.root}" + ("  (already complete: nothing to do)" if self.already_complete else ""),
@@ -70,7 +71,8 @@ class RunSummary:
             f"computed   {self.computed_tokens} tokens in {self.seconds:.1f} s ({rate:,.0f} tok/s)"
             + ("   resumed from committed batches" if self.resumed else "")
             + (f"   (forward waited {self.writer_wait_s:.1f} s for storage)" if self.writer_wait_s >= 0.1 else ""),
-            f"on disk    {self.store_bytes / 2**20:,.1f} MiB ({per_token:,.0f} B/token)",
+            f"on disk    {self.store_bytes / 2**20:,.1f} MiB: {per_token:,.0f} B/token for the samples, "
+            f"{self.target_bytes / 2**20:,.1f} MiB for the target's embedding, LM head and tokenizer",
         ] + ([] if not self.regenerated else self._regenerated_lines())
 
     def _regenerated_lines(self) -> list[str]:
@@ -329,6 +331,10 @@ def run_extraction(cfg: ExtractConfig) -> RunSummary | None:
         return summarize(cfg, summaries, started, False)
 
 
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 def summarize(cfg: ExtractConfig, summaries: list[RankSummary | None], started: float, complete: bool) -> RunSummary:
     root = Path(cfg.out)
     manifest = mf.load_manifest(root)
@@ -342,7 +348,8 @@ def summarize(cfg: ExtractConfig, summaries: list[RankSummary | None], started: 
         skipped=counts.get("skipped", {}),
         computed_tokens=sum(s.computed_tokens for s in done),
         seconds=time.perf_counter() - started,
-        store_bytes=sum(f.stat().st_size for f in root.rglob("*") if f.is_file()),
+        store_bytes=folder_bytes(root),
+        target_bytes=folder_bytes(StoreLayout(root).target_dir),
         resumed=any(s.resumed_batches for s in done),
         already_complete=complete,
         regenerated=counts.get("regenerated"),

@@ -17,7 +17,7 @@ from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.data.records import iter_records
 from dflash_pipeline.data.tokens import tokenize_record
 from dflash_pipeline.extract.config import ExtractConfig
-from dflash_pipeline.extract.run import ExtractError, run_extraction
+from dflash_pipeline.extract.run import ExtractError, RunSummary, run_extraction
 from dflash_pipeline.shared.store.manifest import load_manifest
 from dflash_pipeline.shared.store.reader import FeatureStore
 
@@ -29,7 +29,7 @@ def small_corpus(tmp_path: Path, n: int) -> Path:
     return path
 
 
-def extract(target: Path, data: Path, out: Path, **kw) -> None:
+def extract(target: Path, data: Path, out: Path, **kw) -> RunSummary:
     cfg = ExtractConfig(
         target=str(target),
         data=(str(data),),
@@ -39,7 +39,7 @@ def extract(target: Path, data: Path, out: Path, **kw) -> None:
         max_length=kw.pop("max_length", 256),
         **kw,
     )
-    run_extraction(cfg)
+    return run_extraction(cfg)
 
 
 @pytest.mark.parametrize(
@@ -210,6 +210,22 @@ def test_input_without_usable_records_is_refused_in_one_line_and_leaves_no_store
     assert f"{data}: no usable records found" in err, err
     assert (skipped in err) if skipped else ("skipped" not in err), err
     assert not out.exists()  # a corrected rerun into the same --out starts fresh
+
+
+def test_the_summary_gives_the_bytes_per_token_without_the_targets_frozen_assets(tiny_target_dir, tmp_path):
+    """A trial run's B/token x a dataset's tokens is how a user sizes a disk (README); the target's
+    embedding, LM head and tokenizer are stored once, whatever the tokens, so they stay out of it."""
+    out = tmp_path / "store"
+    summary = extract(tiny_target_dir, small_corpus(tmp_path, 6), out)
+    sizes = {p: p.stat().st_size for p in out.rglob("*") if p.is_file()}
+    assets = sum(n for p, n in sizes.items() if p.is_relative_to(out / "target"))
+    assert assets > 0 and summary.tokens > 0
+    per_token = (sum(sizes.values()) - assets) / summary.tokens
+    line = next(line for line in summary.lines() if line.startswith("on disk"))
+    assert line == (
+        f"on disk    {sum(sizes.values()) / 2**20:,.1f} MiB: {per_token:,.0f} B/token for the samples, "
+        f"{assets / 2**20:,.1f} MiB for the target's embedding, LM head and tokenizer"
+    )
 
 
 def test_rank_without_records_is_fine_when_others_have_some(tiny_target_dir, tmp_path):
