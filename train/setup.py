@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
 from dflash_pipeline.shared.runtime.errors import UserError
@@ -72,7 +73,19 @@ def resolve_mask_token(store: FeatureStore, given: int | None) -> int:
         return int(tok.mask_token_id)
     if len(tok) < vocab:
         return len(tok)
+    offered = ", ".join(f"{i} ({tok.convert_ids_to_tokens(i)})" for i in special_ids_no_sample_holds(store, tok)[:5])
     raise StoreUnusable(
         f"{store.root}: the tokenizer has no mask token and no unused embedding rows; pass --mask-token-id "
-        "(a rarely used special token)"
+        + (f"with a special token no stored sample holds, e.g. {offered}" if offered else "(a rarely used token)")
     )
+
+
+def special_ids_no_sample_holds(store: FeatureStore, tok) -> list[int]:
+    """The tokenizer's special tokens that occur in no stored sample: the safest stand-ins for a mask
+    token (one the samples use would give the drafter's masked positions a meaning of their own)."""
+    held: set[int] = set()
+    for shard, entry in enumerate(store.shards):
+        ids, _ = store.read_ids_and_mask(shard, 0, entry.tokens)
+        held.update(np.unique(ids).tolist())
+    special = sorted(i for i, added in tok.added_tokens_decoder.items() if added.special)
+    return [i for i in special if i not in held]
