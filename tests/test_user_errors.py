@@ -165,6 +165,18 @@ def test_missing_drafter(tiny_target_dir, small_corpus, tmp_path):
     fails(eval_main, eval_args(tiny_target_dir, half, small_corpus), str(half / "model.safetensors"), "missing")
 
 
+def test_a_training_run_given_as_the_drafter_is_refused_naming_the_drafter_to_pass(
+    tiny_target_dir, small_corpus, drafter, tmp_path
+):
+    run = drafter.parent
+    fails(eval_main, eval_args(tiny_target_dir, run, small_corpus), f"{run}: a dflash-train run", f"{drafter}")
+    stopped = tmp_path / "stopped"  # a run cut short: checkpoints, no final drafter yet
+    shutil.copytree(run, stopped)
+    shutil.rmtree(stopped / "drafter")
+    checkpoint = stopped / "checkpoints" / "step-00000001"
+    fails(eval_main, eval_args(tiny_target_dir, stopped, small_corpus), f"its latest checkpoint, {checkpoint}")
+
+
 def test_trained_drafter_records_its_target(drafter, store):
     recorded = json.loads((drafter / IDENTITY_FILE).read_text())
     manifest = json.loads((store / "manifest.json").read_text())

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipeline.shared.model.config import CONFIG_FILE
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
 from dflash_pipeline.shared.runtime.durable import filling_folder, replace_dir_durably, write_bytes_durably
 from dflash_pipeline.shared.target.identity import TargetIdentity
@@ -78,6 +79,15 @@ def latest_checkpoint(out: Path) -> Path | None:
         return None
     path = checkpoint_dir(out) / pointer.read_text().strip()
     return path if path.is_dir() else None
+
+
+def run_folder_note(folder: Path) -> str | None:
+    """If `folder`, given where a drafter belongs, is a dflash-train run: what to pass instead."""
+    if (folder / "drafter" / CONFIG_FILE).is_file():
+        return f"a dflash-train run, not a drafter: its drafter is {folder / 'drafter'}"
+    if last := latest_checkpoint(folder):
+        return f"a dflash-train run without its final drafter yet: its latest checkpoint, {last}, loads as one"
+    return None
 
 
 def load_state(path: Path) -> TrainState:

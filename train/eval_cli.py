@@ -160,6 +160,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     from dflash_pipeline.data.chat import stop_token_ids
     from dflash_pipeline.shared.generation.sampling import SamplingParams
     from dflash_pipeline.shared.generation.speculative import dflash_generate, target_generate
+    from dflash_pipeline.shared.model.config import CONFIG_FILE
     from dflash_pipeline.shared.model.drafter import DFlashDrafter
     from dflash_pipeline.shared.target.assets import load_tokenizer
     from dflash_pipeline.shared.target.identity import (
@@ -170,12 +171,15 @@ def evaluate(cfg: EvalConfig) -> dict:
         config_hash,
     )
     from dflash_pipeline.shared.target.loading import HiddenStateCapture, load_full_target, load_target_config
+    from dflash_pipeline.train.checkpoint import run_folder_note
 
     target_path, drafter_path, prompts_path = cfg.target, cfg.drafter, cfg.prompts
     dev = torch.device(cfg.device)
     torch_dtype = (
         getattr(torch, cfg.dtype) if cfg.dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     )
+    if not (Path(drafter_path) / CONFIG_FILE).exists() and (note := run_folder_note(Path(drafter_path))):
+        raise UserError(f"{drafter_path}: {note}")
     drafter = DFlashDrafter.from_pretrained(
         drafter_path, attention_backend="sdpa_dense", device=dev, dtype=torch_dtype
     ).eval()
