@@ -209,6 +209,13 @@ def test_extract_with_regenerate_stores_prompt_plus_generated_reply(tiny_target_
     assert manifest.settings["regenerate"] == settings and settings["method"] == "greedy"
     assert manifest.data["counts"]["regenerated"]["replies"] == 12
     assert summary.regenerated["conversations"] == 9
+    # two processes generated at once: the line's seconds are the slower one's, not the two added up
+    tokens, added_up, wall = summary.generated_tokens, summary.generate_seconds, summary.generate_wall_s
+    assert tokens > 0 and added_up / 2 <= wall < added_up
+    assert summary.lines()[-1] == (
+        f"generation {tokens:,} generated now in {wall:.1f} s ({tokens / added_up:,.0f} tok/s per process, "
+        f"{tokens / wall:,.0f} in all)"
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
     cached = {**read_cache(StoreLayout(out).regenerated_file(0)), **read_cache(StoreLayout(out).regenerated_file(1))}
