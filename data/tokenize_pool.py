@@ -16,6 +16,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from dflash_pipeline.shared.runtime.launch import die_with_parent
+
 from .errors import DataError
 from .records import Record
 from .tokens import TokenizedSample, tokenize_record
@@ -60,7 +62,9 @@ def tokenize_many(
         with open(tokenizer_file, "wb") as f:
             pickle.dump(tokenizer, f)
         with mp.get_context("spawn").Pool(
-            processes, initializer=_start_worker, initargs=(tokenizer_file, max_length, chat_template_kwargs)
+            processes,
+            initializer=_start_worker,
+            initargs=(os.getpid(), tokenizer_file, max_length, chat_template_kwargs),
         ) as pool:
             for outcome in pool.imap(_attempt_in_worker, rest, chunksize=chunk):
                 yield DataError(*outcome) if isinstance(outcome, tuple) else outcome
@@ -73,7 +77,10 @@ def _attempt(record, tokenizer, max_length, chat_template_kwargs) -> TokenizedSa
         return exc
 
 
-def _start_worker(tokenizer_file, max_length, chat_template_kwargs) -> None:
+def _start_worker(parent, tokenizer_file, max_length, chat_template_kwargs) -> None:
+    # A rank killed while it holds the pool's task-queue lock (closing the pool takes it) would leave
+    # workers waiting for that lock forever: they die with the rank instead.
+    die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     with open(tokenizer_file, "rb") as f:
         tokenizer = pickle.load(f)

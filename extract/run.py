@@ -263,7 +263,7 @@ def run_spawned(cfg: ExtractConfig, layer_ids: list[int]) -> list[RankSummary]:
     try:
         return spawn_ranks(_spawned_rank, cfg.world_size, (cfg, layer_ids))
     except RankFailed as exc:
-        hint = "" if RESUME_HINT in str(exc) else f"; {RESUME_HINT}"  # a full disk's line has it
+        hint = "" if exc.user_error or RESUME_HINT in str(exc) else f"; {RESUME_HINT}"  # a crash, not a UserError
         raise ExtractError(f"{exc}{hint}") from exc
 
 

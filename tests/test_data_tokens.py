@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -350,6 +356,50 @@ def test_worker_processes_tokenize_as_this_process_does_in_order():
     for record, o in zip(records, serial):
         if not isinstance(o, DataError):
             assert o.input_ids.tolist() == tokenize_record(record, tok, 30).input_ids.tolist()
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_worker_processes_die_with_the_process_that_started_them(tiny_target_dir, sample_corpus):
+    """A rank can be killed while it holds its pool's task-queue lock (closing the pool takes it):
+    by kill -9, the OOM killer, or the launcher when it does not end after another rank failed.
+    Workers waiting for that lock never see their rank die. They must not outlive it: orphans would
+    hold the run's stdout and stderr open (a pipe reading them never ends) and never exit. The rank
+    here dies holding that lock."""
+    script = (
+        "import gc, multiprocessing as mp, multiprocessing.pool, sys, time\n"
+        "from transformers import AutoTokenizer\n"
+        "from dflash_pipeline.data.records import iter_records\n"
+        "from dflash_pipeline.data.tokenize_pool import tokenize_many\n"
+        "records = list(iter_records(sys.argv[2]))\n"
+        "outcomes = tokenize_many(records, AutoTokenizer.from_pretrained(sys.argv[1]), 256, processes=2)\n"
+        "next(outcomes), next(outcomes)\n"
+        "pool = next(o for o in gc.get_objects() if isinstance(o, mp.pool.Pool))\n"
+        "pool._inqueue._rlock.acquire()  # as Pool's own shutdown does, in _help_stuff_finish\n"
+        "print(*[p.pid for p in mp.active_children()], flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    rank = subprocess.Popen(
+        [sys.executable, "-c", script, str(tiny_target_dir), str(sample_corpus)], stdout=subprocess.PIPE, text=True
+    )
+    workers = [int(pid) for pid in rank.stdout.readline().split()]
+    assert len(workers) == 2
+    rank.kill()
+    rank.wait()
+    waited_until = time.monotonic() + 60  # not a timing: how long a dying process may take, generously
+    while any(map(running, workers)) and time.monotonic() < waited_until:
+        time.sleep(0.1)
+    left = [pid for pid in workers if running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left
 
 
 def test_tokenizing_processes_are_the_ranks_share_of_the_cores_and_pay_for_their_start(monkeypatch):

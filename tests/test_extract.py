@@ -235,6 +235,20 @@ def test_rank_without_records_is_fine_when_others_have_some(tiny_target_dir, tmp
     assert m.complete and m.data["counts"]["samples"] == 1
 
 
+def test_a_ranks_bad_record_is_named_without_advice_to_rerun_what_fails_again(tiny_target_dir, tmp_path):
+    """A rank that crashed is resumed by rerunning the same command; one that met a bad record is not."""
+    data = small_corpus(tmp_path, 6)
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
+    out = tmp_path / "store"
+    failed = run_cli(
+        "--target", str(tiny_target_dir), "--data", str(data), "--out", str(out), "--device", "cpu", "--workers", "2"
+    )
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    line = failed.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"dflash-extract: error: rank [01]: {re.escape(str(data))}:3: [^;]+", line), line
+
+
 def test_rerun_after_fixing_a_malformed_line_starts_over_and_equals_a_clean_run(tiny_target_dir, tmp_path):
     """The failed run committed nothing, so its store is no conflict for the fixed data."""
     data = small_corpus(tmp_path, 5)

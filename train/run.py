@@ -38,5 +38,7 @@ def run_training(cfg: TrainConfig) -> RankResult | None:
         try:
             return spawn_ranks(rank_entry, cfg.world_size, (cfg.world_size, cfg, init))[0]
         except RankFailed as exc:
-            hint = "" if RESUME_HINT in str(exc) else f"; {RESUME_HINT}"  # a stopped rank's line has it
+            hint = (
+                "" if exc.user_error or RESUME_HINT in str(exc) else f"; {RESUME_HINT}"
+            )  # a stopped rank's line has it
             raise TrainingError(f"{exc}{hint}") from exc

@@ -15,19 +15,33 @@ import queue
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from dflash_pipeline.shared.runtime.errors import debugging, first_line, user_line
+from dflash_pipeline.shared.runtime.errors import UserError, debugging, first_line, user_line
 from dflash_pipeline.shared.runtime.progress import close_progress_bars
 from dflash_pipeline.shared.runtime.stop import stopping_on_sigterm
 
 
 class RankFailed(RuntimeError):
-    """A worker process failed; the message is one line meant for the user."""
+    """A worker process failed; the message is one line meant for the user. `user_error`: the rank's
+    line is a `UserError`'s, which says itself whether a rerun helps (a bad record: it does not)."""
+
+    def __init__(self, line: str, user_error: bool = False) -> None:
+        super().__init__(line)
+        self.user_error = user_error
+
+
+# After one rank failed, the others get STOP_SIGNAL, which raises in each and unwinds it (SIGTERM would
+# not do: a training rank only notes that and stops at a step boundary, waiting for the failed one), and
+# SIGKILL if still running STOP_GRACE_S later (one blocked in a collective does not unwind)
+STOP_SIGNAL = signal.SIGUSR1
+STOP_GRACE_S = 5.0
 
 
 def free_port() -> int:
@@ -40,24 +54,39 @@ def free_port() -> int:
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): the signal a process gets when its parent dies
 
 
-def _die_with_parent(parent: int) -> None:
-    """Have the kernel SIGKILL this process when `parent` dies (Linux); gone at once if it already has."""
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when `parent` dies (Linux); gone at once if it already has.
+    Called first thing in every process we spawn, so that none outlives the one that started it."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
 
 
+class _Stopped(BaseException):
+    """The launcher's STOP_SIGNAL: another rank failed, so this one stops where it is."""
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped
+
+
 def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)
+    signal.signal(STOP_SIGNAL, _raise_stopped)  # before this, its default ends a starting rank quietly
     try:
         results.put((rank, "ok", fn(rank, *args)))
+    except (_Stopped, KeyboardInterrupt):  # stopped by the launcher, or by Ctrl-C: no line of its own
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)
+        close_progress_bars()
+        raise SystemExit(1) from None
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # the launcher stopping the others must not cut this
         close_progress_bars()
         line = user_line(exc)
         if debugging() or line is None:
             traceback.print_exc()
-        results.put((rank, "error", line or first_line(exc)))
+        results.put((rank, "user_error" if isinstance(exc, UserError) else "error", line or first_line(exc)))
         raise SystemExit(1) from None
 
 
@@ -88,7 +117,7 @@ def spawn_ranks(
 def _collect(procs: list, results, world_size: int) -> list[Any]:
     """The ranks' results in rank order, or `RankFailed` for the first error or silent death."""
     done: dict[int, Any] = {}
-    error = None
+    error, failed, user_error = None, None, False
     while len(done) < world_size and error is None:
         try:
             rank, status, payload = results.get(timeout=1.0)
@@ -104,13 +133,26 @@ def _collect(procs: list, results, world_size: int) -> list[Any]:
         if status == "ok":
             done[rank] = payload
         else:
-            error = f"rank {rank}: {payload}"
+            error, failed, user_error = f"rank {rank}: {payload}", rank, status == "user_error"
     if error is not None:
-        for p in procs:
-            if p.is_alive():
-                p.kill()  # not SIGTERM: a training rank would only note it and wait for the failed one
+        _stop_others(procs, failed)
     for p in procs:
         p.join()
     if error is not None:
-        raise RankFailed(error)
+        raise RankFailed(error, user_error)
     return [done[r] for r in range(world_size)]
+
+
+def _stop_others(procs: list, failed: int | None) -> None:
+    """End the ranks still running after rank `failed` failed (it ends by itself): STOP_SIGNAL, so that
+    each closes its pools and bars (a killed one leaves its semaphores to the resource tracker, which
+    warns of them below the error line), then SIGKILL for those still running after STOP_GRACE_S."""
+    for rank, p in enumerate(procs):
+        if rank != failed and p.is_alive():
+            with suppress(ProcessLookupError):  # it ended since is_alive looked
+                os.kill(p.pid, STOP_SIGNAL)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
