@@ -41,6 +41,7 @@ class RankFailed(RuntimeError):
 # not do: a training rank only notes that and stops at a step boundary, waiting for the failed one), and
 # SIGKILL if still running STOP_GRACE_S later (one blocked in a collective does not unwind)
 STOP_SIGNAL = signal.SIGUSR1
+SIGTERM_EXIT = 128 + signal.SIGTERM  # a rank's exit status after it unwound on SIGTERM, as a shell's
 STOP_GRACE_S = 5.0
 
 
@@ -64,24 +65,38 @@ def die_with_parent(parent: int) -> None:
 
 
 class _Stopped(BaseException):
-    """The launcher's STOP_SIGNAL: another rank failed, so this one stops where it is."""
+    """STOP_SIGNAL (another rank failed) or SIGTERM: this rank stops where it is."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
-    raise _Stopped
+    raise _Stopped(signum)
+
+
+def _ignore_stops() -> None:
+    for signum in (STOP_SIGNAL, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int) -> None:
+    """One rank. STOP_SIGNAL and SIGTERM raise in it, so that it unwinds (closes its pools, bars and
+    semaphores) instead of dying where it is; a rank that stops at a step boundary on SIGTERM (training)
+    puts its own handler in place meanwhile. Before this runs, their defaults end a starting rank."""
     die_with_parent(parent)
-    signal.signal(STOP_SIGNAL, _raise_stopped)  # before this, its default ends a starting rank quietly
+    for signum in (STOP_SIGNAL, signal.SIGTERM):
+        signal.signal(signum, _raise_stopped)
     try:
         results.put((rank, "ok", fn(rank, *args)))
-    except (_Stopped, KeyboardInterrupt):  # stopped by the launcher, or by Ctrl-C: no line of its own
-        signal.signal(STOP_SIGNAL, signal.SIG_IGN)
+    except (_Stopped, KeyboardInterrupt) as stop:  # no line of its own: the launcher knows why
+        _ignore_stops()
         close_progress_bars()
-        raise SystemExit(1) from None
+        stopped_by_sigterm = isinstance(stop, _Stopped) and stop.signum == signal.SIGTERM
+        raise SystemExit(SIGTERM_EXIT if stopped_by_sigterm else 1) from None  # finalizers still run
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
-        signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # the launcher stopping the others must not cut this
+        _ignore_stops()  # the launcher stopping the others must not cut this
         close_progress_bars()
         line = user_line(exc)
         if debugging() or line is None:
@@ -127,7 +142,9 @@ def _collect(procs: list, results, world_size: int) -> list[Any]:
             ]
             if dead:
                 code = procs[dead[0]].exitcode
-                how = "was stopped by SIGTERM" if code == -signal.SIGTERM else f"died (exit code {code})"
+                how = (
+                    "was stopped by SIGTERM" if code in (-signal.SIGTERM, SIGTERM_EXIT) else f"died (exit code {code})"
+                )
                 error = f"worker rank {dead[0]} {how}"
             continue
         if status == "ok":
