@@ -263,7 +263,8 @@ def run_spawned(cfg: ExtractConfig, layer_ids: list[int]) -> list[RankSummary]:
     try:
         return spawn_ranks(_spawned_rank, cfg.world_size, (cfg, layer_ids))
     except RankFailed as exc:
-        hint = "" if exc.user_error or RESUME_HINT in str(exc) else f"; {RESUME_HINT}"  # a crash, not a UserError
+        # a UserError's line says itself what to do (a full disk's names the rerun); a crash's does not
+        hint = "" if exc.user_error or RESUME_HINT in str(exc) else f"; {RESUME_HINT}"
         raise ExtractError(f"{exc}{hint}") from exc
 
 

@@ -48,3 +48,15 @@ def test_without_a_mask_token_or_a_spare_row_the_error_names_special_tokens_no_s
     assert line.endswith(
         "pass --mask-token-id with a special token no stored sample holds, e.g. 0 (<|endoftext|>), 3 (<|pad|>), 4 (<|mask|>)"
     )
+
+
+def test_the_stored_ids_read_in_chunks_give_the_same_offer(store):
+    from transformers import AutoTokenizer
+
+    from dflash_pipeline.train.setup import special_ids_no_sample_holds
+
+    features = FeatureStore(store)
+    tok = AutoTokenizer.from_pretrained(str(StoreLayout(store).tokenizer_dir))
+    assert (
+        special_ids_no_sample_holds(features, tok, chunk=7) == special_ids_no_sample_holds(features, tok) == [0, 3, 4]
+    )

@@ -38,7 +38,6 @@ def run_training(cfg: TrainConfig) -> RankResult | None:
         try:
             return spawn_ranks(rank_entry, cfg.world_size, (cfg.world_size, cfg, init))[0]
         except RankFailed as exc:
-            hint = (
-                "" if exc.user_error or RESUME_HINT in str(exc) else f"; {RESUME_HINT}"
-            )  # a stopped rank's line has it
+            # a UserError's line says itself what to do (a stopped rank's names --resume); a crash's does not
+            hint = "" if exc.user_error or RESUME_HINT in str(exc) else f"; {RESUME_HINT}"
             raise TrainingError(f"{exc}{hint}") from exc

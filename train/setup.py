@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.store.layout import StoreLayout
@@ -80,12 +80,14 @@ def resolve_mask_token(store: FeatureStore, given: int | None) -> int:
     )
 
 
-def special_ids_no_sample_holds(store: FeatureStore, tok) -> list[int]:
+def special_ids_no_sample_holds(store: FeatureStore, tok: PreTrainedTokenizerBase, chunk: int = 1 << 24) -> list[int]:
     """The tokenizer's special tokens that occur in no stored sample: the safest stand-ins for a mask
-    token (one the samples use would give the drafter's masked positions a meaning of their own)."""
+    token (one the samples use would give the drafter's masked positions a meaning of their own).
+    Reads the stored ids `chunk` tokens at a time."""
     held: set[int] = set()
     for shard, entry in enumerate(store.shards):
-        ids, _ = store.read_ids_and_mask(shard, 0, entry.tokens)
-        held.update(np.unique(ids).tolist())
+        for start in range(0, entry.tokens, chunk):
+            ids, _ = store.read_ids_and_mask(shard, start, min(start + chunk, entry.tokens))
+            held.update(np.unique(ids).tolist())
     special = sorted(i for i, added in tok.added_tokens_decoder.items() if added.special)
     return [i for i in special if i not in held]
