@@ -39,6 +39,7 @@ from dflash_pipeline.data.tokens import TokenizedSample
 from dflash_pipeline.extract.plan import padded_fraction, plan_batches
 from dflash_pipeline.extract.worker import BatchRunner, run_batches
 from dflash_pipeline.shared.model.config import default_target_layer_ids
+from dflash_pipeline.shared.runtime.durable import folder_bytes
 from dflash_pipeline.shared.store.codec import default_compression
 from dflash_pipeline.shared.store.layout import SCALED_DTYPES
 from dflash_pipeline.shared.store.manifest import STORAGE_DTYPES
@@ -199,7 +200,7 @@ def bench_pipeline(
     writer.finalize()
     seconds = time.perf_counter() - t
     runner.capture.close()
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    size = folder_bytes(out)
     # states + scales + top-K ids and log-probs, raw
     row_bytes = width * np.dtype(STORAGE_DTYPES[store_dtype]).itemsize + 4 * groups + 8 * topk
     return {

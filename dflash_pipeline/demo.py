@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from dflash_pipeline.data import sample_corpus_path
+from dflash_pipeline.shared.runtime.durable import folder_bytes
 from dflash_pipeline.shared.runtime.stop import stopping_on_sigterm
 
 
@@ -134,7 +135,7 @@ def main(out: str, steps: int) -> None:
     losses = [r["loss"] for r in records if "loss" in r]
     held_out = [r for r in records if r.get("type") == "eval"]
     taus = [r["tau"] for r in held_out]
-    size = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    size = folder_bytes(store)
     click.echo(
         "\n".join(
             [

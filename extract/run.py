@@ -26,6 +26,7 @@ from dflash_pipeline.shared.generation.decoder import check_supported_config
 from dflash_pipeline.shared.model.config import default_target_layer_ids
 from dflash_pipeline.shared.runtime.cluster import Cluster, group_timeout, torchrun_refusal
 from dflash_pipeline.shared.runtime.device import pick_device, resolve_devices
+from dflash_pipeline.shared.runtime.durable import folder_bytes
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.runtime.launch import RankFailed, spawn_ranks
 from dflash_pipeline.shared.runtime.progress import progress_note
@@ -332,10 +333,6 @@ def run_extraction(cfg: ExtractConfig) -> RunSummary | None:
         require_samples(cfg, summaries, remove=True)
         seal_store(cfg, summaries)
         return summarize(cfg, summaries, started, False)
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def summarize(cfg: ExtractConfig, summaries: list[RankSummary | None], started: float, complete: bool) -> RunSummary:

@@ -19,16 +19,13 @@ from test_user_errors import fails
 
 from dflash_pipeline.extract.cli import main as extract_main
 from dflash_pipeline.shared.runtime import durable
+from dflash_pipeline.shared.runtime.durable import folder_bytes
 from dflash_pipeline.shared.runtime.errors import DiskFull, cli_errors, is_disk_full
 from dflash_pipeline.shared.runtime.launch import RankFailed, spawn_ranks
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.train.cli import main as train_main
 
 RUN_ARGS = [*TRAIN_ARGS, "--max-steps", "12", "--checkpoint-every", "4"]
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 @pytest.fixture

@@ -52,6 +52,11 @@ def replace_dir_durably(tmp: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (none if it does not exist)."""
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
 def free_bytes(path: Path) -> int:
     """Free bytes for this user on the filesystem holding `path` (or its nearest existing parent)."""
     path = Path(path).absolute()

@@ -76,9 +76,9 @@ def _raise_stopped(signum: int, frame: Any) -> None:
     raise _Stopped(signum)
 
 
-def _ignore_stops() -> None:
+def _on_stop_signals(handler: Any) -> None:
     for signum in (STOP_SIGNAL, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signum, handler)
 
 
 def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int) -> None:
@@ -86,17 +86,16 @@ def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int)
     semaphores) instead of dying where it is; a rank that stops at a step boundary on SIGTERM (training)
     puts its own handler in place meanwhile. Before this runs, their defaults end a starting rank."""
     die_with_parent(parent)
-    for signum in (STOP_SIGNAL, signal.SIGTERM):
-        signal.signal(signum, _raise_stopped)
+    _on_stop_signals(_raise_stopped)
     try:
         results.put((rank, "ok", fn(rank, *args)))
     except (_Stopped, KeyboardInterrupt) as stop:  # no line of its own: the launcher knows why
-        _ignore_stops()
+        _on_stop_signals(signal.SIG_IGN)
         close_progress_bars()
         stopped_by_sigterm = isinstance(stop, _Stopped) and stop.signum == signal.SIGTERM
         raise SystemExit(SIGTERM_EXIT if stopped_by_sigterm else 1) from None  # finalizers still run
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
-        _ignore_stops()  # the launcher stopping the others must not cut this
+        _on_stop_signals(signal.SIG_IGN)  # the launcher stopping the others must not cut this
         close_progress_bars()
         line = user_line(exc)
         if debugging() or line is None:
