@@ -376,3 +376,64 @@ def test_a_rank_that_stopped_with_an_error_ends_the_meeting_at_once():
         started = time.monotonic()
         assert spawn_ranks(meet_after, world, (world, store.port, fail_rank)) == want
         assert time.monotonic() - started < 25
+
+
+def break_a_collective(rank: int, world: int, port: int, log: str, how: str, timeout_s: float) -> None:
+    """Both ranks meet; then rank 1 is killed (as when a node dies while waiting for a slower one) and
+    rank 0's next collective breaks at once, or rank 0 fails by itself while rank 1 lives on."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dflash_pipeline.shared.runtime.cluster import Cluster
+
+    sys.stderr = open(log, "w", buffering=1)  # noqa: SIM115 - the process ends with it open
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    with Cluster("test", timeout_s, "hint") as cluster:
+        cluster.meet("work-done")
+        if rank == 1:
+            if how == "vanish":
+                os.kill(os.getpid(), signal.SIGKILL)
+            cluster.meet("never")  # learns there that rank 0 failed
+        time.sleep(1)
+        if how == "own error":
+            raise RuntimeError("rank 0's own error")
+        dist.all_gather_object([None] * world, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["vanish", "own error"])
+def test_a_broken_collective_names_a_vanished_peer_without_holding_up_an_own_error(how, tmp_path):
+    """The broken collective's traceback would not say which rank went: the watcher's line does. An
+    error of the rank's own is not held up for the timeout while the other rank still beats."""
+    import multiprocessing
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout_s = 2 if how == "vanish" else 60
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    spawn = multiprocessing.get_context("spawn")
+    logs = [tmp_path / f"{rank}.log" for rank in (0, 1)]
+    ranks = [
+        spawn.Process(target=break_a_collective, args=(rank, 2, store.port, str(logs[rank]), how, timeout_s))
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    started = time.monotonic()
+    for process in ranks:
+        process.join(timeout=90)
+    log = logs[0].read_text()
+    if how == "vanish":
+        assert [p.exitcode for p in ranks] == [1, -signal.SIGKILL], log
+        assert (
+            log
+            == "test: error: rank 0: rank 1 did not answer for 2 s (node frozen, killed or cut off from this one); hint\n"
+        )
+    else:
+        assert [p.exitcode for p in ranks] == [1, 1], log
+        assert log.endswith("RuntimeError: rank 0's own error\n"), log
+        assert "rank 0 stopped with an error (see its output); hint" in logs[1].read_text()
+        assert time.monotonic() - started < timeout_s / 2

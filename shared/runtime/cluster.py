@@ -9,7 +9,8 @@
   extraction waits for the slowest rank's work; rank 0 alone prepares the store or saves a
   checkpoint), ranks poll the store instead of blocking in a collective, so the wait lasts as long
   as the work does while a dead peer is still noticed within `timeout`. A rank that stopped with an
-  error is reported at once. Collectives themselves get twice `timeout` as a backstop.
+  error is reported at once. Collectives themselves get twice `timeout` as a backstop; one that breaks
+  with no rank having reported an error (a peer killed without a word) waits for the watcher's verdict.
 - Shared folders (`require_shared`): rank 0 writes a nonce file, every rank reads it back, and all
   refuse to start unless every rank saw it.
 """
@@ -65,6 +66,7 @@ class Cluster:
         self.store = dist.distributed_c10d._get_default_store()
         self.period = max(0.2, min(5.0, timeout_s / 10))
         self._stop = threading.Event()
+        self._heard = {r: time.monotonic() for r in range(self.world) if r != self.rank}  # last heartbeat seen
         self._watcher = threading.Thread(target=self._watch, name="dflash-heartbeat", daemon=True)
 
     def __enter__(self) -> Cluster:
@@ -72,6 +74,8 @@ class Cluster:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, RuntimeError) and not isinstance(exc, UserError) and not self._failed_ranks():
+            self._await_watcher()
         self._stop.set()
         self._watcher.join()
         cause = exc is not None and not isinstance(exc, ClusterError)  # not: gave up because of another rank
@@ -91,6 +95,18 @@ class Cluster:
             failed = self._failed_ranks()  # a collective broke because another rank stopped
             if failed:
                 raise ClusterError(f"{_ranks(failed)} stopped with an error (see its output); {self.hint}") from exc
+
+    def _await_watcher(self) -> None:
+        """A collective broke and no rank said why: a peer may have vanished without a word (SIGKILL, a
+        lost node), and only the watcher can name it, which takes `timeout`. Wait for its verdict (it
+        ends the process); stop waiting once every other rank has beaten since, so that an error of
+        this rank's own is not held up."""
+        broke = time.monotonic()
+        deadline = broke + self.timeout_s + 3 * self.period
+        while self._watcher.is_alive() and time.monotonic() < deadline:
+            if all(heard > broke for heard in self._heard.values()):
+                return
+            time.sleep(_POLL_S)
 
     def _failed_ranks(self) -> list[int]:
         try:
@@ -117,7 +133,7 @@ class Cluster:
             self._die(f"cannot reach the c10d store ({exc})")
         others = [r for r in range(self.world) if r != self.rank]
         keys = [f"{_KEY}hb/{r}" for r in others]
-        last = {r: (b"", time.monotonic()) for r in others}
+        counts = dict.fromkeys(others, b"")
         created = False
         while not self._stop.wait(self.period):
             try:
@@ -128,10 +144,10 @@ class Cluster:
                     created = True
                 now = time.monotonic()
                 for r, count in zip(others, store.multi_get(keys)):
-                    if count != last[r][0]:
-                        last[r] = (count, now)
+                    if count != counts[r]:
+                        counts[r], self._heard[r] = count, now
                 silent = [
-                    r for r in others if now - last[r][1] > self.timeout_s and not store.check([f"{_KEY}left/{r}"])
+                    r for r in others if now - self._heard[r] > self.timeout_s and not store.check([f"{_KEY}left/{r}"])
                 ]
             except Exception:  # noqa: BLE001 - the store itself did not answer
                 if self._stop.is_set():
