@@ -61,7 +61,7 @@ from bench.replies_archive import pack_replies, unpack_replies
 from dflash_pipeline.demo import run_step
 from dflash_pipeline.extract.config import ExtractConfig
 from dflash_pipeline.extract.run import target_location
-from dflash_pipeline.shared.runtime.stop import stop_requested, stopping_on_sigterm
+from dflash_pipeline.shared.runtime.stop import stop_requested, stopping_gracefully
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.train.checkpoint import latest_checkpoint
 from dflash_pipeline.train.config import TrainConfig
@@ -472,7 +472,7 @@ def evaluate(args) -> None:
                 failed.append(job.name)
 
     # SIGTERM goes on to the runs (dflash-eval writes the prompts it finished), which are waited for
-    with stopping_on_sigterm(forward_to=lambda: [proc.pid for proc in running if proc.poll() is None]):
+    with stopping_gracefully(forward_to=lambda: [proc.pid for proc in running if proc.poll() is None]):
         timed(args.out / "seconds.json", f"evaluate ({concurrent} at a time)", run_all)
         stopped = stop_requested()
     for report, (name, parts) in merges.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -81,6 +82,7 @@ def _start_worker(parent, tokenizer_file, max_length, chat_template_kwargs) -> N
     # A rank killed while it holds the pool's task-queue lock (closing the pool takes it) would leave
     # workers waiting for that lock forever: they die with the rank instead.
     die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the rank's to act on: it ends the pool
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     with open(tokenizer_file, "rb") as f:
         tokenizer = pickle.load(f)

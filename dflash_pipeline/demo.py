@@ -18,21 +18,24 @@ import click
 
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.shared.runtime.durable import folder_bytes
-from dflash_pipeline.shared.runtime.stop import stopping_on_sigterm
+from dflash_pipeline.shared.runtime.stop import stopping_gracefully
 
 
 def run_step(step: str, args: list[str]) -> None:
     """Print and run one stage as a subprocess (the real CLI, as a user would run it); exit with its
-    code if it fails, so a broken stage stops the whole run. SIGTERM goes on to the stage. Shared with
-    the benchmarks in bench/."""
+    code if it fails, so a broken stage stops the whole run. SIGTERM or Ctrl-C goes on to the stage, and
+    this process waits for it to stop. Shared with the benchmarks in bench/."""
     click.echo(f"\n== {step}: {' '.join(args)}")
     proc = subprocess.Popen(args)
 
     def running() -> list[int]:
         return [proc.pid] if proc.poll() is None else []
 
-    with stopping_on_sigterm(forward_to=running):  # the stage stops itself (dflash-train after a checkpoint): wait
-        code = proc.wait()
+    with stopping_gracefully(forward_to=running):  # the stage stops itself (dflash-train after a checkpoint): wait
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:  # a second Ctrl-C, sent on: the stage stops at once
+            code = proc.wait()
     if code != 0:
         click.echo(f"{step} failed (exit code {code})", err=True)
         sys.exit(code)

@@ -71,7 +71,8 @@ def spawned_children(pid: int) -> list[int]:
 
 def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill: str) -> int:
     """Start `cmd`, and once `min_batches` are committed: SIGKILL its process group or one of its
-    ranks, or SIGTERM the process that started the ranks (which passes it on); -> batches committed."""
+    ranks, SIGTERM the process that started the ranks (which passes it on), or press Ctrl-C (SIGINT
+    to the group, as a terminal sends it); -> batches committed."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 240
     while committed_batches(out) < min_batches:
@@ -87,15 +88,22 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill: str) -> 
         busy = [r for r in range(2) if not progress.get(r, {}).get("done")]
         assert busy, "both ranks finished before the kill"
         os.kill(workers[min(busy, key=lambda r: progress.get(r, {}).get("batches", 0))], signal.SIGKILL)
-    elif kill == "group":
-        os.killpg(proc.pid, signal.SIGKILL)
+    elif kill in ("group", "ctrl-c"):
+        os.killpg(proc.pid, signal.SIGINT if kill == "ctrl-c" else signal.SIGKILL)
     else:
         proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
-    if kill != "group":  # the parent notices, stops the ranks and says how to go on
+    if kill == "ctrl-c":  # the ranks unwound, and the line says how to go on
+        stderr = proc.stderr.read().decode()
+        want = "dflash-extract: stopped by Ctrl-C; rerun the same command to resume from the last committed batch"
+        assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == want, stderr[-2000:]
+        assert "Traceback" not in stderr and "Aborted" not in stderr, stderr[-2000:]
+    elif kill != "group":  # the parent notices, stops the ranks and says how to go on
         stderr = proc.stderr.read().decode()
         assert proc.returncode == 1 and "rerun the same command" in stderr, stderr[-2000:]
-        assert kill == "rank" or "was stopped by SIGTERM" in stderr, stderr[-2000:]
+        assert kill == "rank" or "dflash-extract: error: stopped by SIGTERM; rerun the same command" in stderr, stderr[
+            -2000:
+        ]
         if kill == "sigterm":  # the ranks unwound: their bars ended, no semaphore was left to warn of
             assert stderr.strip().splitlines()[-1].startswith("dflash-extract: error: "), stderr[-2000:]
     return committed_batches(out)
@@ -108,7 +116,7 @@ def reference_store(tiny_target_dir, small_corpus, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kill,min_batches", [("group", 3), ("rank", 6), ("sigterm", 3)])
+@pytest.mark.parametrize("kill,min_batches", [("group", 3), ("rank", 6), ("sigterm", 3), ("ctrl-c", 3)])
 def test_killed_or_stopped_run_then_rerun_is_identical(
     tiny_target_dir, small_corpus, reference_store, tmp_path, kill, min_batches
 ):

@@ -517,10 +517,11 @@ def test_stop_token_ids_include_eos_and_end_of_turn(tiny_tokenizer):
     assert stop_token_ids(tiny_tokenizer, [5, 6]) >= {5, 6}
 
 
-def test_sigterm_stops_dflash_eval_at_once_and_resume_finishes_the_report(
-    target, tiny_target_dir, sample_corpus, tmp_path, monkeypatch
+@pytest.mark.parametrize("signame, cause", [("SIGTERM", "SIGTERM"), ("SIGINT", "Ctrl-C")])
+def test_sigterm_or_ctrl_c_stops_dflash_eval_at_once_and_resume_finishes_the_report(
+    target, tiny_target_dir, sample_corpus, tmp_path, monkeypatch, signame, cause
 ):
-    """SIGTERM (a deadline's `timeout`) during prompt 2 of 3 stops at once: that prompt is dropped, the
+    """SIGTERM (a deadline's `timeout`) or Ctrl-C during prompt 2 of 3 stops at once: that prompt is dropped, the
     report of the one done is written as incomplete, exit code 1 with one line; --resume decodes the other
     two, and the report then has the tokens and counts of an uninterrupted run (each prompt has its own
     seed)."""
@@ -535,16 +536,16 @@ def test_sigterm_stops_dflash_eval_at_once_and_resume_finishes_the_report(
     def signalled_in_prompt_2(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:  # the warm-up, prompt 1, then prompt 2
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, signame))
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(speculative, "dflash_generate", signalled_in_prompt_2)
-    handler = signal.getsignal(signal.SIGTERM)
+    handler = signal.getsignal(getattr(signal, signame))
     stopped = invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path / "cut", *sampled)
     report = tmp_path / "cut" / "eval.json"
-    assert stopped.exit_code == 1 and signal.getsignal(signal.SIGTERM) == handler
+    assert stopped.exit_code == 1 and signal.getsignal(getattr(signal, signame)) == handler
     assert stopped.output.splitlines()[-1] == (
-        f"dflash-eval: error: stopped by SIGTERM after 1 of 3 prompts; their report is {report}: "
+        f"dflash-eval: error: stopped by {cause} after 1 of 3 prompts; their report is {report}: "
         "rerun with --resume to finish it"
     )
     part = json.loads(report.read_text())

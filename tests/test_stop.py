@@ -1,33 +1,50 @@
-"""shared/runtime/stop.py: SIGTERM recorded for a graceful stop, and raised at once where the work in
-progress is dropped rather than waited for."""
+"""shared/runtime/stop.py: SIGTERM and Ctrl-C recorded for a graceful stop, raised at once where the work
+in progress is dropped rather than waited for, and a second Ctrl-C that stops at once."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
+from dflash_pipeline.shared.runtime import stop
 from dflash_pipeline.shared.runtime.stop import (
     Interrupted,
-    interrupting_on_sigterm,
+    interrupting_on_stop,
+    stop_cause,
     stop_requested,
-    stopping_on_sigterm,
+    stopping_gracefully,
 )
 
 
-def test_sigterm_interrupts_inside_and_on_entry_after_one_came_and_is_recorded_around() -> None:
-    handler = signal.getsignal(signal.SIGTERM)
-    with stopping_on_sigterm():
-        with interrupting_on_sigterm():  # nothing came yet: the body runs
+@pytest.mark.parametrize("signum, cause", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_a_stop_signal_interrupts_inside_and_on_entry_after_one_came_and_is_recorded_around(signum, cause) -> None:
+    handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    with stopping_gracefully():
+        with interrupting_on_stop():  # nothing came yet: the body runs
             entered = True
         assert entered and not stop_requested()
-        with pytest.raises(Interrupted), interrupting_on_sigterm():
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs as this call returns
-            pytest.fail("SIGTERM did not interrupt")
+        with pytest.raises(Interrupted), interrupting_on_stop():
+            os.kill(os.getpid(), signum)  # the handler runs as this call returns
+            pytest.fail("the signal did not interrupt")
+        assert stop_requested() and stop_cause() == cause
+        with pytest.raises(Interrupted), interrupting_on_stop():  # one came before: raised on entry
+            pytest.fail("the body ran after the signal")
+        os.kill(os.getpid(), signum)  # outside, and within the first's moment: recorded only
         assert stop_requested()
-        with pytest.raises(Interrupted), interrupting_on_sigterm():  # one came before: raised on entry
-            pytest.fail("the body ran after SIGTERM")
-        os.kill(os.getpid(), signal.SIGTERM)  # outside: recorded only
-        assert stop_requested()
-    assert signal.getsignal(signal.SIGTERM) == handler and not stop_requested()
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers and not stop_requested()
+
+
+def test_a_second_ctrl_c_stops_at_once_while_copies_of_the_first_and_sigterms_are_only_recorded(monkeypatch) -> None:
+    monkeypatch.setattr(stop, "REPEAT_GAP_S", 0.3)
+    with stopping_gracefully():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher's copy of the terminal's press
+        time.sleep(0.4)
+        os.kill(os.getpid(), signal.SIGTERM)  # not a Ctrl-C: recorded only
+        assert stop_cause() == "Ctrl-C"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            pytest.fail("a second Ctrl-C did not stop at once")

@@ -633,20 +633,20 @@ def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_lin
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_group_the_launcher_or_a_rank_stops_every_gloo_rank_at_one_step_and_loses_none(
+def test_sigterm_or_ctrl_c_to_the_group_the_launcher_or_a_rank_stops_every_gloo_rank_at_one_step_and_loses_none(
     store_dir, tmp_path
 ):
     """Two gloo ranks with a loader worker each, as `timeout` (the whole process group), `kill` of the
-    launcher (which passes it on) or of one rank sends SIGTERM: every rank stops after the same step, exit code 1
-    with one line naming it, that step's checkpoint written; the resumed run's losses are the
-    uninterrupted run's."""
+    launcher (which passes it on) or of one rank sends SIGTERM, or a terminal's Ctrl-C (SIGINT to the
+    group): every rank stops after the same step, exit code 1 with one line naming it and no traceback,
+    that step's checkpoint written; the resumed run's losses are the uninterrupted run's."""
     import re
 
     extra = ("--workers", "2", "--loader-workers", "1", "--max-steps", "40", "--checkpoint-every", "100")
     ref = tmp_path / "ref"
     subprocess.run(train_cmd(store_dir, ref, *extra), check=True, capture_output=True)
     want = losses(ref)
-    for target in ("group", "launcher", "rank 1"):
+    for target in ("group", "launcher", "rank 1", "ctrl-c"):
         run = tmp_path / target
         proc = subprocess.Popen(
             train_cmd(store_dir, run, *extra),
@@ -660,8 +660,8 @@ def test_sigterm_to_the_group_the_launcher_or_a_rank_stops_every_gloo_rank_at_on
             while not (run / "metrics.jsonl").exists() or len(losses(run)) < 4:
                 assert proc.poll() is None and time.time() < deadline
                 time.sleep(0.02)
-            if target == "group":
-                os.killpg(proc.pid, signal.SIGTERM)
+            if target in ("group", "ctrl-c"):
+                os.killpg(proc.pid, signal.SIGINT if target == "ctrl-c" else signal.SIGTERM)
             elif target == "launcher":
                 proc.send_signal(signal.SIGTERM)
             else:  # one rank alone: the others learn it in the step's all-reduce
@@ -670,8 +670,9 @@ def test_sigterm_to_the_group_the_launcher_or_a_rank_stops_every_gloo_rank_at_on
         finally:
             if proc.poll() is None:  # a failed check leaves no run behind
                 os.killpg(proc.pid, signal.SIGKILL)
-        line = re.search(r"stopped by SIGTERM after step (\d+) of \d+;", stderr)
-        assert proc.returncode == 1 and line, stderr[-2000:]
+        cause = "Ctrl-C" if target == "ctrl-c" else "SIGTERM"
+        line = re.search(rf"\ndflash-train: error: rank \d: stopped by {cause} after step (\d+) of \d+;", stderr)
+        assert proc.returncode == 1 and line and "Traceback" not in stderr, stderr[-2000:]
         step = int(line.group(1))
         assert (run / "checkpoints" / "latest").read_text() == f"step-{step:08d}"
         assert max(losses(run)) == step and not (run / "drafter").exists()

@@ -19,9 +19,9 @@ from dflash_pipeline.shared.model.config import CONFIG_FILE
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
 from dflash_pipeline.shared.runtime.durable import filling_folder, replace_dir_durably, write_bytes_durably
 from dflash_pipeline.shared.target.identity import TargetIdentity
+from dflash_pipeline.train.config import RESUME_HINT
 
 LATEST = "latest"
-RESUME_HINT = "rerun with --resume to continue from the last checkpoint"
 
 
 @dataclass

@@ -10,7 +10,7 @@ import click
 from dflash_pipeline.shared.runtime.config import config_from_cli, config_option, config_options
 from dflash_pipeline.shared.runtime.device import resolve_device
 from dflash_pipeline.shared.runtime.errors import cli_errors
-from dflash_pipeline.train.config import TrainConfig
+from dflash_pipeline.train.config import RESUME_HINT, TrainConfig
 
 if TYPE_CHECKING:
     from dflash_pipeline.train.loop import RankResult
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @config_option("train")
 @config_options(TrainConfig)
-@cli_errors("dflash-train")
+@cli_errors("dflash-train", stopped_hint=RESUME_HINT)
 def main(**opts) -> None:
     """Train a DFlash drafter from a feature store."""
     from dflash_pipeline.train.run import run_training

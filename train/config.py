@@ -11,6 +11,8 @@ from dflash_pipeline.shared.model.config import LAYER_TYPES
 from dflash_pipeline.shared.runtime.config import ChoiceList, ConfigError, IntList, check_options, option
 from dflash_pipeline.shared.runtime.device import DEVICE_CHOICES, DEVICE_HELP
 
+RESUME_HINT = "rerun with --resume to continue from the last checkpoint"  # what a stopped run says
+
 
 @dataclass(frozen=True)
 class TrainConfig:

@@ -7,7 +7,7 @@ as the z-lab reference (`dflash` 0.1.0) counts it: the mean over prompts of each
 acceptance length; `tau_pooled` is all tokens over all verify steps. Reported as JSON.
 `--chain` counts greedy tau without decoding step by step (train/chain_tau.py): the same counts where
 the numerics agree, in seconds for replies of thousands of tokens, and no speedup.
-SIGTERM (a deadline's `timeout`, a scheduler) stops decoding at once, dropping the prompt in progress:
+SIGTERM (a deadline's `timeout`, a scheduler) or Ctrl-C stops decoding at once, dropping the prompt in progress:
 the report of the prompts done is written, marked `complete: false`, and `--resume` finishes it. Prompt
 n's outputs depend on n alone (its own seed), so a resumed report has the tokens of an uninterrupted one,
 and `--shards N --shard I` splits an evaluation among N processes (a small target decoding one sequence
@@ -38,7 +38,7 @@ from dflash_pipeline.shared.runtime.device import DEVICE_HELP, resolve_device
 from dflash_pipeline.shared.runtime.durable import write_bytes_durably
 from dflash_pipeline.shared.runtime.errors import UserError, cli_errors, first_line
 from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
-from dflash_pipeline.shared.runtime.stop import Interrupted, interrupting_on_sigterm, stopping_on_sigterm
+from dflash_pipeline.shared.runtime.stop import Interrupted, interrupting_on_stop, stop_cause, stopping_gracefully
 
 # what a resumed report must share with the stopped one, so that its prompts mean the same thing
 RESUME_KEYS = (
@@ -56,7 +56,7 @@ HEAD_KEYS = (*RESUME_KEYS, "device")  # a decoding report's fields before its co
 
 
 class EvaluationStopped(UserError):
-    """SIGTERM stopped decoding; the prompts done are in the report (complete: false)."""
+    """SIGTERM or Ctrl-C stopped decoding; the prompts done are in the report (complete: false)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class EvalConfig:
     )
     resume: bool = option(
         False,
-        help="Finish the --json report of a run stopped by SIGTERM (complete: false), or extend one to a larger "
+        help="Finish the --json report of a run stopped by SIGTERM or Ctrl-C (complete: false), or extend one to a larger "
         "--limit: its prompts are kept, the rest decoded. Without that file, a fresh run.",
     )
     shards: int = option(
@@ -221,8 +221,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     for n in left:
         ids = prompts[n]
         p = torch.tensor(ids, device=dev)
-        try:  # SIGTERM stops at once: the prompt in progress is dropped (a --resume decodes it)
-            with interrupting_on_sigterm():
+        try:  # SIGTERM or Ctrl-C stops at once: the prompt in progress is dropped (a --resume decodes it)
+            with interrupting_on_stop():
                 base = target_generate(target, p, cfg.max_new_tokens, stop_ids, sampling, generator(n))
                 spec = dflash_generate(
                     target, drafter, capture, p, cfg.max_new_tokens, stop_ids, cfg.block_size, sampling, generator(n)
@@ -395,7 +395,7 @@ def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[i
 def main(**opts) -> None:
     """Measure acceptance length and speedup of a drafter; check lossless greedy decoding."""
     cfg = config_from_cli(EvalConfig, opts)
-    with nullcontext() if cfg.chain else stopping_on_sigterm():  # --chain's replies are batched: it just dies
+    with nullcontext() if cfg.chain else stopping_gracefully():  # --chain's replies are batched: it just dies
         report = evaluate(replace(cfg, device=resolve_device("dflash-eval", cfg.device)))
         if cfg.json_path and (report["per_prompt"] or report.get("complete")):  # a shard may have no prompts
             write_bytes_durably(Path(cfg.json_path), json.dumps(report, indent=1).encode())
@@ -406,7 +406,7 @@ def main(**opts) -> None:
                 f"their report is {cfg.json_path}: rerun with --resume to finish it" if cfg.json_path and done else ""
             )
             raise EvaluationStopped(
-                f"stopped by SIGTERM after {done} of {planned} prompts; {kept or 'nothing was written'}"
+                f"stopped by {stop_cause()} after {done} of {planned} prompts; {kept or 'nothing was written'}"
             )
     if report["all_lossless"] is False:
         click.echo("dflash-eval: error: speculative output differs from target greedy output", err=True)

@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from dflash_pipeline.shared.runtime.errors import UserError
+from dflash_pipeline.shared.runtime.stop import STOP_SIGNALS
 from dflash_pipeline.shared.store.shard_io import decode_in_this_thread_only
 from dflash_pipeline.train.dataset import StepDataset, batch_layout
 from dflash_pipeline.train.step import to_device
@@ -113,9 +114,10 @@ def _check(status, what: str) -> None:
 def _start_worker(worker_id: int) -> None:
     """One codec thread (parallelism comes from the worker processes; codec threads inside each would
     oversubscribe), and this worker's own slots mapped into its page table before the first step.
-    SIGTERM is the rank's to act on (it stops at a step boundary with a checkpoint); a worker dying by
-    the one its process group got would fail the rank's next fetch first."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    SIGTERM and Ctrl-C are the rank's to act on (it stops at a step boundary with a checkpoint); a worker
+    dying by the one its process group got would fail the rank's next fetch first."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     decode_in_this_thread_only()
     info = get_worker_info()
     for buffer in info.dataset.slots.buffers[worker_id :: info.num_workers]:

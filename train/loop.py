@@ -35,12 +35,12 @@ from dflash_pipeline.shared.runtime.config import ConfigError
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.runtime.progress import progress_bar
 from dflash_pipeline.shared.runtime.run_lock import RunLockError, run_lock
-from dflash_pipeline.shared.runtime.stop import stop_requested, stopping_on_sigterm
+from dflash_pipeline.shared.runtime.stop import StoppedTogether, stop_cause, stop_requested, stopping_gracefully
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.shared.target.identity import TargetIdentity
 from dflash_pipeline.train import checkpoint as ckpt
-from dflash_pipeline.train.config import TrainConfig
+from dflash_pipeline.train.config import RESUME_HINT, TrainConfig
 from dflash_pipeline.train.dataset import (
     PackContext,
     PackSpec,
@@ -78,9 +78,9 @@ class TrainingError(UserError, RuntimeError):
     """Training cannot continue (bad store, diverged loss, mismatched checkpoint)."""
 
 
-class TrainingStopped(TrainingError):
-    """A rank got SIGTERM: every rank stopped at a step boundary, after the same step with its checkpoint
-    written, or during one whose helper processes the signal ended (its line names which)."""
+class TrainingStopped(TrainingError, StoppedTogether):
+    """A rank got SIGTERM or Ctrl-C: every rank stopped at a step boundary, after the same step with its
+    checkpoint written, or during one whose helper processes the signal ended (its line names which)."""
 
 
 @dataclass
@@ -358,8 +358,8 @@ class Trainer:
                     raise
                 bar.close()  # the signal reached the step's helpers too (a compile's workers): it cannot end
                 raise TrainingStopped(
-                    f"stopped by SIGTERM during step {state.step + 1:,} of {self.total_steps:,}, which its helper "
-                    f"processes did not survive ({type(exc).__name__}); {ckpt.RESUME_HINT}"
+                    f"stopped by {stop_cause()} during step {state.step + 1:,} of {self.total_steps:,}, which its helper "
+                    f"processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
                 ) from exc
             state.step += 1
             state.epoch, state.step_in_epoch = epoch, k + 1
@@ -391,8 +391,8 @@ class Trainer:
     def stopped(self) -> TrainingStopped:
         """What every rank raises once they agreed to stop: its line says how to go on."""
         return TrainingStopped(
-            f"stopped by SIGTERM after step {self.state.step:,} of {self.total_steps:,}; its checkpoint is "
-            f"written: {ckpt.RESUME_HINT}"
+            f"stopped by {stop_cause()} after step {self.state.step:,} of {self.total_steps:,}; its checkpoint is "
+            f"written: {RESUME_HINT}"
         )
 
     def evaluation_due(self, step: int) -> bool:
@@ -646,10 +646,10 @@ def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None,
     init_distributed(rank, world, device, init_method, cfg.collective_timeout)
     try:
         with ExitStack() as held:
-            held.enter_context(stopping_on_sigterm())
+            held.enter_context(stopping_gracefully())
             cluster = None
             if dist.is_initialized():
-                cluster = held.enter_context(Cluster("dflash-train", cfg.collective_timeout, ckpt.RESUME_HINT))
+                cluster = held.enter_context(Cluster("dflash-train", cfg.collective_timeout, RESUME_HINT))
                 cluster.require_shared(Path(cfg.out), "--out")
             if torchrun:
                 lock_out_on_rank0(rank, cfg, held)

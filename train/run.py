@@ -11,8 +11,7 @@ from dflash_pipeline.shared.runtime.device import pick_device, resolve_devices
 from dflash_pipeline.shared.runtime.launch import RankFailed, free_port, spawn_ranks
 from dflash_pipeline.shared.runtime.run_lock import run_lock
 from dflash_pipeline.shared.store.reader import FeatureStore
-from dflash_pipeline.train.checkpoint import RESUME_HINT
-from dflash_pipeline.train.config import TrainConfig
+from dflash_pipeline.train.config import RESUME_HINT, TrainConfig
 from dflash_pipeline.train.loop import RankResult, TrainingError, rank_entry
 from dflash_pipeline.train.setup import check_store_target
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -65,11 +66,12 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def cli_errors(cli: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def cli_errors(cli: str, stopped_hint: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a click command's function (below its options): adds `--debug`, and prints a
-    `UserError` (or a failed worker rank) as `<cli>: error: <line>` with exit code 1. Usage errors
-    stay click's (exit code 2)."""
-    from dflash_pipeline.shared.runtime.launch import RankFailed
+    `UserError` (or a failed worker rank) as `<cli>: error: <line>` with exit code 1, and a Ctrl-C that
+    reached it as `<cli>: stopped by Ctrl-C; <stopped_hint>` with exit code 130 (a shell's for SIGINT).
+    Usage errors stay click's (exit code 2)."""
+    from dflash_pipeline.shared.runtime.launch import RankFailed, signal_exit
     from dflash_pipeline.shared.runtime.progress import close_progress_bars
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,6 +81,12 @@ def cli_errors(cli: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 os.environ[DEBUG_ENV] = "1"  # worker processes inherit it
             try:
                 return fn(*args, **kwargs)
+            except KeyboardInterrupt:
+                if debugging():
+                    raise
+                close_progress_bars()
+                click.echo(f"{cli}: stopped by Ctrl-C" + (f"; {stopped_hint}" if stopped_hint else ""), err=True)
+                sys.exit(signal_exit(signal.SIGINT))
             except Exception as exc:
                 line = first_line(exc) if isinstance(exc, RankFailed) else user_line(exc)
                 if line is None or debugging():

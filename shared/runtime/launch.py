@@ -25,7 +25,15 @@ import torch.multiprocessing as mp
 
 from dflash_pipeline.shared.runtime.errors import UserError, debugging, first_line, user_line
 from dflash_pipeline.shared.runtime.progress import close_progress_bars
-from dflash_pipeline.shared.runtime.stop import stopping_on_sigterm
+from dflash_pipeline.shared.runtime.stop import (
+    STOP_SIGNALS,
+    StoppedTogether,
+    signal_name,
+    stop_cause,
+    stop_requested,
+    stop_signal,
+    stopping_gracefully,
+)
 
 
 class RankFailed(RuntimeError):
@@ -39,9 +47,9 @@ class RankFailed(RuntimeError):
 
 # After one rank failed, the others get STOP_SIGNAL, which raises in each and unwinds it (SIGTERM would
 # not do: a training rank only notes that and stops at a step boundary, waiting for the failed one), and
-# SIGKILL if still running STOP_GRACE_S later (one blocked in a collective does not unwind)
+# SIGKILL if still running STOP_GRACE_S later (one blocked in a collective does not unwind). Ranks that
+# stop together (`StoppedTogether`) or on a signal of their own are not signalled again while they unwind.
 STOP_SIGNAL = signal.SIGUSR1
-SIGTERM_EXIT = 128 + signal.SIGTERM  # a rank's exit status after it unwound on SIGTERM, as a shell's
 STOP_GRACE_S = 5.0
 
 
@@ -64,8 +72,13 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def signal_exit(signum: int) -> int:
+    """A rank's exit status after it unwound on `signum`, as a shell's (143 for SIGTERM, 130 for Ctrl-C)."""
+    return 128 + signum
+
+
 class _Stopped(BaseException):
-    """STOP_SIGNAL (another rank failed) or SIGTERM: this rank stops where it is."""
+    """STOP_SIGNAL (another rank failed), SIGTERM or Ctrl-C: this rank stops where it is."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -77,14 +90,15 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 
 def _on_stop_signals(handler: Any) -> None:
-    for signum in (STOP_SIGNAL, signal.SIGTERM):
+    for signum in (STOP_SIGNAL, *STOP_SIGNALS):
         signal.signal(signum, handler)
 
 
 def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int) -> None:
-    """One rank. STOP_SIGNAL and SIGTERM raise in it, so that it unwinds (closes its pools, bars and
-    semaphores) instead of dying where it is; a rank that stops at a step boundary on SIGTERM (training)
-    puts its own handler in place meanwhile. Before this runs, their defaults end a starting rank."""
+    """One rank. STOP_SIGNAL, SIGTERM and Ctrl-C raise in it, so that it unwinds (closes its pools, bars
+    and semaphores) instead of dying where it is; a rank that stops at a step boundary on SIGTERM or
+    Ctrl-C (training) puts its own handler in place meanwhile. Before this runs, the defaults end a
+    starting rank."""
     die_with_parent(parent)
     _on_stop_signals(_raise_stopped)
     try:
@@ -92,15 +106,18 @@ def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int)
     except (_Stopped, KeyboardInterrupt) as stop:  # no line of its own: the launcher knows why
         _on_stop_signals(signal.SIG_IGN)
         close_progress_bars()
-        stopped_by_sigterm = isinstance(stop, _Stopped) and stop.signum == signal.SIGTERM
-        raise SystemExit(SIGTERM_EXIT if stopped_by_sigterm else 1) from None  # finalizers still run
+        signum = stop.signum if isinstance(stop, _Stopped) else signal.SIGINT
+        raise SystemExit(1 if signum == STOP_SIGNAL else signal_exit(signum)) from None  # finalizers still run
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
         _on_stop_signals(signal.SIG_IGN)  # the launcher stopping the others must not cut this
         close_progress_bars()
         line = user_line(exc)
         if debugging() or line is None:
             traceback.print_exc()
-        results.put((rank, "user_error" if isinstance(exc, UserError) else "error", line or first_line(exc)))
+        status = (
+            "together" if isinstance(exc, StoppedTogether) else "user_error" if isinstance(exc, UserError) else "error"
+        )
+        results.put((rank, status, line or first_line(exc)))
         raise SystemExit(1) from None
 
 
@@ -108,8 +125,9 @@ def spawn_ranks(
     fn: Callable[..., Any], world_size: int, args: tuple = (), env: dict[str, str] | None = None
 ) -> list[Any]:
     """Run `fn(rank, *args)` in `world_size` spawned processes; their results in rank order. SIGTERM
-    here goes on to the ranks, and this process waits for what they make of it (training ranks stop
-    at a step boundary with a checkpoint) instead of dying and taking them with it."""
+    or Ctrl-C here goes on to the ranks, and this process waits for what they make of it (training ranks
+    stop at a step boundary with a checkpoint) instead of dying and taking them with it; after a second
+    Ctrl-C it waits STOP_GRACE_S for the ranks, which got it too, and raises KeyboardInterrupt."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     saved = {k: os.environ.get(k) for k in (env or {})}
@@ -124,14 +142,19 @@ def spawn_ranks(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    with stopping_on_sigterm(forward_to=lambda: [p.pid for p in procs if p.is_alive()]):
-        return _collect(procs, results, world_size)
+    with stopping_gracefully(forward_to=lambda: [p.pid for p in procs if p.is_alive()]):
+        try:
+            return _collect(procs, results, world_size)
+        except KeyboardInterrupt:
+            _end_ranks(procs, None, tell=False)
+            raise
 
 
 def _collect(procs: list, results, world_size: int) -> list[Any]:
-    """The ranks' results in rank order, or `RankFailed` for the first error or silent death."""
+    """The ranks' results in rank order, or `RankFailed` for the first error or silent death
+    (KeyboardInterrupt where the ranks ended by a Ctrl-C that reached this process, as without them)."""
     done: dict[int, Any] = {}
-    error, failed, user_error = None, None, False
+    error, failed, user_error, together, interrupted = None, None, False, False, False
     while len(done) < world_size and error is None:
         try:
             rank, status, payload = results.get(timeout=1.0)
@@ -139,32 +162,43 @@ def _collect(procs: list, results, world_size: int) -> list[Any]:
             dead = [
                 r for r, p in enumerate(procs) if r not in done and not p.is_alive() and p.exitcode not in (None, 0)
             ]
-            if dead:
-                code = procs[dead[0]].exitcode
-                how = (
-                    "was stopped by SIGTERM" if code in (-signal.SIGTERM, SIGTERM_EXIT) else f"died (exit code {code})"
-                )
-                error = f"worker rank {dead[0]} {how}"
+            if dead:  # one a stop signal that reached this process ended: that signal is the news
+                how = f"stopped by {stop_cause()}" if stop_requested() else None
+                error = how or f"worker rank {dead[0]} {_how_it_ended(procs[dead[0]].exitcode)}"
+                interrupted = stop_signal() == signal.SIGINT
             continue
         if status == "ok":
             done[rank] = payload
         else:
-            error, failed, user_error = f"rank {rank}: {payload}", rank, status == "user_error"
-    if error is not None:
-        _stop_others(procs, failed)
+            error, failed, user_error = f"rank {rank}: {payload}", rank, status != "error"
+            together = status == "together"
+    if error is not None:  # a stop signal reached this process: it sent it on to every rank
+        _end_ranks(procs, failed, tell=not (together or stop_requested()))
     for p in procs:
         p.join()
+    if interrupted:
+        raise KeyboardInterrupt
     if error is not None:
         raise RankFailed(error, user_error)
     return [done[r] for r in range(world_size)]
 
 
-def _stop_others(procs: list, failed: int | None) -> None:
-    """End the ranks still running after rank `failed` failed (it ends by itself): STOP_SIGNAL, so that
-    each closes its pools and bars (a killed one leaves its semaphores to the resource tracker, which
-    warns of them below the error line), then SIGKILL for those still running after STOP_GRACE_S."""
+def _how_it_ended(code: int) -> str:
+    """A dead rank's exit status in words: a stop signal it unwound on, or else the code."""
+    for signum in STOP_SIGNALS:
+        if code in (-signum, signal_exit(signum)):
+            return f"was stopped by {signal_name(signum)}"
+    return f"died (exit code {code})"
+
+
+def _end_ranks(procs: list, failed: int | None, tell: bool) -> None:
+    """End the ranks still running after rank `failed` failed (it ends by itself). `tell`: they do not
+    know yet, so send STOP_SIGNAL, which makes each close its pools and bars (a killed one leaves its
+    semaphores to the resource tracker, which warns of them below the error line); else they are
+    stopping already (a signal reached them all, or they stop together) and a signal would cut their
+    unwinding short. Then SIGKILL for those still running after STOP_GRACE_S."""
     for rank, p in enumerate(procs):
-        if rank != failed and p.is_alive():
+        if tell and rank != failed and p.is_alive():
             with suppress(ProcessLookupError):  # it ended since is_alive looked
                 os.kill(p.pid, STOP_SIGNAL)
     deadline = time.monotonic() + STOP_GRACE_S

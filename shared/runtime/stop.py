@@ -1,9 +1,12 @@
-"""A graceful stop on SIGTERM: what a scheduler's preemption, `timeout` or `kill` sends before SIGKILL.
+"""A graceful stop on SIGTERM (what a scheduler's preemption, `timeout` or `kill` sends before SIGKILL)
+or Ctrl-C (SIGINT, what a user at the terminal presses).
 
 The handler only records the signal; the training loop looks at step boundaries, where every rank can
 agree to stop at the same step and write its checkpoint, so a stopped run resumes without losing steps.
-Work too long to wait for and cheap to redo (one prompt's decoding) runs inside `interrupting_on_sigterm`,
-where the signal also raises `Interrupted` at once.
+Work too long to wait for and cheap to redo (one prompt's decoding) runs inside `interrupting_on_stop`,
+where the signal also raises `Interrupted` at once. A second Ctrl-C stops at once (KeyboardInterrupt):
+the way out of a wait that reaches no step boundary. A terminal's Ctrl-C reaches every process of its
+group and a launcher forwards it too, so copies that arrive within REPEAT_GAP_S of the first are one press.
 """
 
 from __future__ import annotations
@@ -11,61 +14,102 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 
-_received: list[int] = []
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_GAP_S = 1.0
+_received: list[tuple[int, float]] = []  # (signal, monotonic time) of each stop signal that came
 
 
 class Interrupted(Exception):
-    """SIGTERM arrived inside `interrupting_on_sigterm`."""
+    """A stop signal arrived inside `interrupting_on_stop`."""
+
+
+class StoppedTogether(Exception):
+    """Raised by every rank at the same point after they agreed to stop (training at a step boundary):
+    the launcher lets each unwind by itself instead of stopping the others as after a failure."""
 
 
 def stop_requested() -> bool:
-    """Whether this process got SIGTERM since `stopping_on_sigterm` began."""
+    """Whether this process got a stop signal since `stopping_gracefully` began."""
     return bool(_received)
 
 
+def signal_name(signum: int) -> str:
+    """How a stop is named to the user: SIGINT is what their Ctrl-C sent."""
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def stop_signal() -> int | None:
+    """The first stop signal that came since `stopping_gracefully` began, if any."""
+    return _received[0][0] if _received else None
+
+
+def stop_cause() -> str:
+    """The first stop signal's name, for the line that says why a run stopped."""
+    return signal_name(stop_signal() or signal.SIGTERM)
+
+
+def _record(signum: int) -> None:
+    """Note a stop signal; a Ctrl-C pressed again (not a copy of the first press) raises KeyboardInterrupt."""
+    now = time.monotonic()
+    again = signum == signal.SIGINT and any(s == signal.SIGINT and now - t >= REPEAT_GAP_S for s, t in _received)
+    _received.append((signum, now))
+    if again:
+        raise KeyboardInterrupt
+
+
+def _set_handlers(handler) -> dict[int, object]:
+    return {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
+
+
+def _restore(previous: dict[int, object]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
 @contextmanager
-def stopping_on_sigterm(forward_to: Callable[[], Iterable[int]] = tuple) -> Iterator[None]:
-    """Record SIGTERM instead of dying by it, for the duration, and send it on to the processes
-    `forward_to()` names (children that stop themselves, which this one then waits for). Main thread
-    only: elsewhere signals cannot be handled, and the default stays."""
+def stopping_gracefully(forward_to: Callable[[], Iterable[int]] = tuple) -> Iterator[None]:
+    """Record SIGTERM and Ctrl-C instead of dying by them, for the duration, and send them on to the
+    processes `forward_to()` names (children that stop themselves, which this one then waits for).
+    Main thread only: elsewhere signals cannot be handled, and the defaults stay."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def record(signum, frame) -> None:
-        _received.append(signum)
         for pid in forward_to():
             with suppress(ProcessLookupError):  # it ended since `forward_to` looked
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signum)
+        _record(signum)
 
     _received.clear()
-    previous = signal.signal(signal.SIGTERM, record)
+    previous = _set_handlers(record)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _restore(previous)
         _received.clear()
 
 
 @contextmanager
-def interrupting_on_sigterm() -> Iterator[None]:
-    """Inside `stopping_on_sigterm`: SIGTERM, recorded as there, also raises `Interrupted` here at once
-    (on entry too, if one came before), for work whose partial result is dropped, not waited for."""
+def interrupting_on_stop() -> Iterator[None]:
+    """Inside `stopping_gracefully`: a stop signal, recorded as there, also raises `Interrupted` here at
+    once (on entry too, if one came before), for work whose partial result is dropped, not waited for."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum, frame) -> None:
-        _received.append(signum)
+        _record(signum)
         raise Interrupted
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = _set_handlers(interrupt)
     try:
         if _received:
             raise Interrupted
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _restore(previous)
