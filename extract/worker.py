@@ -53,6 +53,7 @@ class RankSummary:
     padding: float = 0.0
     seconds: float = 0.0
     computed_tokens: int = 0  # tokens run through the target in this invocation
+    forward_seconds: float = 0.0  # ... in this long: the forward and its writes, from the first batch to the last
     writer_wait_s: float = 0.0  # forward stalled on a full write queue (storage slower than the GPU)
     regenerated: dict | None = None  # RegenerateStats of --regenerate
     generated_tokens: int = 0  # --regenerate: tokens generated in this invocation
@@ -350,9 +351,11 @@ def run_rank(cfg: ExtractConfig, rank: int, world_size: int, device: torch.devic
         bar = progress_bar(
             total=todo_tokens, unit="tok", unit_scale=True, desc=f"extract rank {rank}", disable=rank != 0
         )
+        forward_started = time.perf_counter()
         try:
             summary.computed_tokens, summary.writer_wait_s = run_batches(runner, samples, todo, writer, progress=bar)
         finally:
+            summary.forward_seconds = time.perf_counter() - forward_started
             bar.close()
             runner.capture.close()
     if rank == 0:

@@ -228,6 +228,20 @@ def test_the_summary_gives_the_bytes_per_token_without_the_targets_frozen_assets
     )
 
 
+def test_the_summary_gives_the_forwards_own_rate_beside_the_whole_runs_time(tiny_target_dir, tmp_path):
+    """The whole run's seconds count reading, loading and sealing too: a rate over them would not be
+    the extraction's. The forward's rate is per process (their seconds added up) and in all (the slowest's)."""
+    summary = extract(tiny_target_dir, small_corpus(tmp_path, 12), tmp_path / "store", workers=2)
+    assert 0 < summary.forward_wall_s <= summary.forward_seconds < 2 * summary.forward_wall_s
+    assert summary.forward_wall_s < summary.seconds
+    line = next(line for line in summary.lines() if line.startswith("computed"))
+    assert line == (
+        f"computed   {summary.computed_tokens} tokens in {summary.seconds:.1f} s all told, the forward "
+        f"{summary.forward_wall_s:.1f} s ({summary.computed_tokens / summary.forward_seconds:,.0f} tok/s per process, "
+        f"{summary.computed_tokens / summary.forward_wall_s:,.0f} in all)"
+    )
+
+
 def test_rank_without_records_is_fine_when_others_have_some(tiny_target_dir, tmp_path):
     out = tmp_path / "store"
     extract(tiny_target_dir, small_corpus(tmp_path, 1), out, workers=2)
