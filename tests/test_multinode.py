@@ -216,6 +216,30 @@ def test_killed_node_then_rerun_is_identical(tiny_target_dir, small_corpus, spaw
 
 
 @pytest.mark.slow
+def test_killed_training_node_is_named_and_the_run_resumes(spawned_store, tmp_path):
+    """Node 1 dies in the middle of training (kill -9): rank 0's all-reduce breaks at once, and its line
+    names the rank gone instead of gloo's traceback; --resume on both nodes finishes the run."""
+    run = tmp_path / "run"
+    args = ["--store", str(spawned_store), "--out", str(run), *TRAIN_ARGS, "--collective-timeout", "5"]
+    args += ["--epochs", "30"]  # 200 steps: seconds of training left when the first checkpoint is written
+    args[args.index("--max-steps") + 1] = "200"
+    args[args.index("--checkpoint-every") + 1] = "5"
+    args[args.index("--eval-every") + 1] = "1000"
+    nodes = start_nodes("dflash_pipeline.train.cli", tmp_path / "logs-killed", args)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "latest").exists():
+        assert all(p.poll() is None for p in nodes) and time.time() < deadline
+        time.sleep(0.05)
+    signal_node(nodes[1], signal.SIGKILL)
+    (rc, err), _ = finish(nodes)
+    assert rc == 1 and "dflash-train: error: rank 0: rank 1 did not answer for 5 s" in err, err[-3000:]
+    assert "Connection closed by peer" not in err, err[-3000:]  # gloo's traceback (torchrun adds its own)
+    results = finish(start_nodes("dflash_pipeline.train.cli", tmp_path / "logs-resumed", [*args, "--resume"]))
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert (run / "drafter" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
 def test_frozen_node_is_named_within_the_timeout(tiny_target_dir, tmp_path):
     store = tmp_path / "store"  # the whole sample small_corpus: node 1 is frozen long before its share is done
     nodes = start_nodes(

@@ -67,6 +67,7 @@ class Cluster:
         self.period = max(0.2, min(5.0, timeout_s / 10))
         self._stop = threading.Event()
         self._heard = {r: time.monotonic() for r in range(self.world) if r != self.rank}  # last heartbeat seen
+        self._beats = dict.fromkeys(self._heard, 0)  # heartbeats seen, each rank's
         self._watcher = threading.Thread(target=self._watch, name="dflash-heartbeat", daemon=True)
 
     def __enter__(self) -> Cluster:
@@ -99,12 +100,12 @@ class Cluster:
     def _await_watcher(self) -> None:
         """A collective broke and no rank said why: a peer may have vanished without a word (SIGKILL, a
         lost node), and only the watcher can name it, which takes `timeout`. Wait for its verdict (it
-        ends the process); stop waiting once every other rank has beaten since, so that an error of
-        this rank's own is not held up."""
-        broke = time.monotonic()
-        deadline = broke + self.timeout_s + 3 * self.period
+        ends the process); stop waiting once every other rank has beaten twice since, so that an error
+        of this rank's own is not held up (the first may be one from before a rank died, seen late)."""
+        beats = dict(self._beats)
+        deadline = time.monotonic() + self.timeout_s + 3 * self.period
         while self._watcher.is_alive() and time.monotonic() < deadline:
-            if all(heard > broke for heard in self._heard.values()):
+            if all(self._beats[r] >= beats[r] + 2 for r in beats):
                 return
             time.sleep(_POLL_S)
 
@@ -146,6 +147,7 @@ class Cluster:
                 for r, count in zip(others, store.multi_get(keys)):
                     if count != counts[r]:
                         counts[r], self._heard[r] = count, now
+                        self._beats[r] += 1
                 silent = [
                     r for r in others if now - self._heard[r] > self.timeout_s and not store.check([f"{_KEY}left/{r}"])
                 ]
