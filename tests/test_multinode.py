@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -237,6 +238,30 @@ def test_killed_training_node_is_named_and_the_run_resumes(spawned_store, tmp_pa
     results = finish(start_nodes("dflash_pipeline.train.cli", tmp_path / "logs-resumed", [*args, "--resume"]))
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
     assert (run / "drafter" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_one_node_stops_both_after_one_step_and_each_says_why(spawned_store, tmp_path):
+    """torchrun passes its Ctrl-C on to its rank; the stop rides the step's all-reduce, so node 1, which
+    got no signal, stops after the same step and names the Ctrl-C too; --resume on both finishes."""
+    run = tmp_path / "run"
+    args = ["--store", str(spawned_store), "--out", str(run), *TRAIN_ARGS, "--epochs", "30"]
+    args[args.index("--max-steps") + 1] = "200"
+    args[args.index("--checkpoint-every") + 1] = "500"
+    args[args.index("--eval-every") + 1] = "1000"
+    nodes = start_nodes("dflash_pipeline.train.cli", tmp_path / "logs-stopped", args)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert all(p.poll() is None for p in nodes) and time.time() < deadline
+        time.sleep(0.05)
+    nodes[0].send_signal(signal.SIGINT)  # the agent alone, as a terminal's Ctrl-C reaches it
+    results = finish(nodes)
+    steps = {re.search(r"dflash-train: error: stopped by Ctrl-C after step (\d+) of 200;", err) for _, err in results}
+    assert [rc for rc, _ in results] == [1, 1] and None not in steps, results[0][1][-2000:] + results[1][1][-2000:]
+    (step,) = {int(line.group(1)) for line in steps}
+    assert (run / "checkpoints" / "latest").read_text() == f"step-{step:08d}"
+    results = finish(start_nodes("dflash_pipeline.train.cli", tmp_path / "logs-resumed", [*args, "--resume"]))
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
 
 
 @pytest.mark.slow

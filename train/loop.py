@@ -35,7 +35,15 @@ from dflash_pipeline.shared.runtime.config import ConfigError
 from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.runtime.progress import progress_bar
 from dflash_pipeline.shared.runtime.run_lock import RunLockError, run_lock
-from dflash_pipeline.shared.runtime.stop import StoppedTogether, stop_cause, stop_requested, stopping_gracefully
+from dflash_pipeline.shared.runtime.stop import (
+    STOP_SIGNALS,
+    StoppedTogether,
+    cause_of,
+    stop_cause,
+    stop_requested,
+    stop_votes,
+    stopping_gracefully,
+)
 from dflash_pipeline.shared.store.layout import StoreLayout
 from dflash_pipeline.shared.store.reader import FeatureStore
 from dflash_pipeline.shared.target.identity import TargetIdentity
@@ -105,7 +113,7 @@ class StepResult:
     grad_norm: float
     correct: np.ndarray
     total: np.ndarray
-    stop: bool  # a rank got SIGTERM: every rank stops after this step
+    stop: str | None  # the stop signals any rank got ("SIGTERM", "Ctrl-C"): every rank stops after this step
 
 
 def backend_for(cfg: TrainConfig, device: torch.device) -> str:
@@ -207,6 +215,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     state: ckpt.TrainState
+    stopped_by: str | None = None  # the stop signals any rank got, once the ranks learnt of them
 
     @classmethod
     def build(
@@ -333,7 +342,7 @@ class Trainer:
         tau, rate = metrics.kept_results()
         if self.evaluation_was_cut(metrics):
             tau = self.log_evaluation(metrics)
-            if tau is None:  # SIGTERM again: the checkpoint resumed from is this step's
+            if tau is None:  # a stop signal again: the checkpoint resumed from is this step's
                 raise self.stopped()
         ddp = (
             DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -391,7 +400,7 @@ class Trainer:
     def stopped(self) -> TrainingStopped:
         """What every rank raises once they agreed to stop: its line says how to go on."""
         return TrainingStopped(
-            f"stopped by {stop_cause()} after step {self.state.step:,} of {self.total_steps:,}; its checkpoint is "
+            f"stopped by {self.stopped_by or stop_cause()} after step {self.state.step:,} of {self.total_steps:,}; its checkpoint is "
             f"written: {RESUME_HINT}"
         )
 
@@ -408,7 +417,7 @@ class Trainer:
 
     def log_evaluation(self, metrics: MetricsLog) -> float | None:
         """`evaluate` at the current step, logged with the seconds it took (`eval_s`); -> its tau, or
-        None where SIGTERM cut it (nothing logged)."""
+        None where a stop signal cut it (nothing logged)."""
         start = time.perf_counter()
         held_out = self.evaluate()
         if held_out is None:
@@ -437,13 +446,15 @@ class Trainer:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
         terms = loss_term_sums(stats)
-        *reduced, stops = all_sum(  # SIGTERM on any rank rides along, so all stop at the same step
+        reduced = all_sum(  # a stop signal on any rank rides along, so all stop at the same step
             [float(loss_sum.detach()), float(grad_norm), *terms.values()]
             + stats["correct"].tolist()
             + stats["total"].tolist()
-            + [float(stop_requested())],
+            + stop_votes(),
             self.device,
         )
+        self.stopped_by = cause_of(reduced[-len(STOP_SIGNALS) :])
+        reduced = reduced[: -len(STOP_SIGNALS)]
         denominator = max(global_weight, 1e-12)
         step_loss = reduced[0] / denominator
         if not math.isfinite(step_loss) or not math.isfinite(float(grad_norm)):
@@ -459,7 +470,7 @@ class Trainer:
             {key: value / denominator for key, value in zip(terms, reduced[2:])},
             reduced[1] / self.world,
             *np.split(counts, 2),
-            stops > 0,
+            self.stopped_by,
         )
 
     def step_record(self, result: StepResult, rate: float) -> dict:
@@ -480,7 +491,7 @@ class Trainer:
         """The held-out packs of all ranks, the drafter in eval mode: the mean offline acceptance length
         over the drawn anchors (`tau`), the acceptance greedy decoding would see (`tau_decode`, and
         `tau_decode_head` over each reply's first `eval_decode_head` tokens; unless --no-eval-decode) and, for DFlash-2, the loss terms (`loss_term_sums`' keys) as weighted means.
-        None on every rank if SIGTERM reached any of them meanwhile: each stops at its next pack."""
+        None on every rank if a stop signal reached any of them meanwhile: each stops at its next pack."""
         self.model.eval()
         total, count, weight, terms = 0.0, 0, 0.0, {}
         chain = [0, 0, 0, 0]  # tokens and steps of the whole chain, then of its head
@@ -497,12 +508,13 @@ class Trainer:
                 terms[key] = terms.get(key, 0.0) + value
             if self.cfg.eval_decode:
                 chain = [a + b for a, b in zip(chain, self.decode_chain_of(ctx, blocks_batch))]
-        total, count, weight, *sums, stops = all_sum(
-            [total, float(count), weight, *map(float, chain), *terms.values(), float(stop_requested())], self.device
+        total, count, weight, *sums = all_sum(
+            [total, float(count), weight, *map(float, chain), *terms.values(), *stop_votes()], self.device
         )
-        (tokens, steps, head_tokens, head_steps), sums = sums[:4], sums[4:]
+        self.stopped_by = cause_of(sums[-len(STOP_SIGNALS) :])
+        (tokens, steps, head_tokens, head_steps), sums = sums[:4], sums[4 : -len(STOP_SIGNALS)]
         self.model.train()
-        if stops:
+        if self.stopped_by:
             return None
         decode = {
             "tau_decode": tokens / steps if steps else float("nan"),

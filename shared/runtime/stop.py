@@ -52,6 +52,18 @@ def stop_cause() -> str:
     return signal_name(stop_signal() or signal.SIGTERM)
 
 
+def stop_votes() -> list[float]:
+    """This process's stop signals as 0/1 per STOP_SIGNALS entry, for ranks to sum: a rank stopped by
+    another's signal learns which one it was (`cause_of`)."""
+    got = {signum for signum, _ in _received}
+    return [float(signum in got) for signum in STOP_SIGNALS]
+
+
+def cause_of(votes: list[float]) -> str | None:
+    """The stop signals that summed `stop_votes` name ("SIGTERM", "Ctrl-C", both); None if none came."""
+    return " and ".join(signal_name(signum) for signum, n in zip(STOP_SIGNALS, votes) if n > 0) or None
+
+
 def _record(signum: int) -> None:
     """Note a stop signal; a Ctrl-C pressed again (not a copy of the first press) raises KeyboardInterrupt."""
     now = time.monotonic()
