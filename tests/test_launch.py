@@ -91,3 +91,33 @@ def test_a_second_ctrl_c_stops_ranks_that_wait_for_a_step_boundary(tmp_path):
     presser.join()
     assert after_the_first == [False, False]  # still waiting for their step boundary
     assert (tmp_path / "unwound-0").exists() and (tmp_path / "unwound-1").exists()
+
+
+def _unwinds_slowly(rank: int, folder: str) -> None:
+    try:
+        (Path(folder) / "started").touch()
+        time.sleep(30)
+    finally:  # closing a pool or a loader takes a while; a second signal must not cut it short
+        time.sleep(0.5)
+        (Path(folder) / "unwound").touch()
+
+
+def test_a_rank_unwinds_once_though_a_stop_signal_comes_twice(tmp_path):
+    """A terminal's Ctrl-C and the launcher's copy of it (or a group's SIGTERM and its copy) reach a
+    rank moments apart: the second must not raise again in the middle of the unwinding the first began."""
+    import multiprocessing
+
+    def signal_twice() -> None:
+        while not (tmp_path / "started").exists():
+            time.sleep(0.01)
+        (rank,) = multiprocessing.active_children()
+        for _ in range(2):
+            os.kill(rank.pid, signal.SIGTERM)
+            time.sleep(0.1)
+
+    sender = threading.Thread(target=signal_twice)
+    sender.start()
+    with pytest.raises(RankFailed, match="^worker rank 0 was stopped by SIGTERM$"):
+        spawn_ranks(_unwinds_slowly, 1, (str(tmp_path),))
+    sender.join()
+    assert (tmp_path / "unwound").exists()

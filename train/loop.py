@@ -367,8 +367,8 @@ class Trainer:
                     raise
                 bar.close()  # the signal reached the step's helpers too (a compile's workers): it cannot end
                 raise TrainingStopped(
-                    f"stopped by {stop_cause()} during step {state.step + 1:,} of {self.total_steps:,}, which its helper "
-                    f"processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
+                    f"stopped by {stop_cause()} during step {state.step + 1:,} of {self.total_steps:,}, which its "
+                    f"helper processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
                 ) from exc
             state.step += 1
             state.epoch, state.step_in_epoch = epoch, k + 1
@@ -400,8 +400,8 @@ class Trainer:
     def stopped(self) -> TrainingStopped:
         """What every rank raises once they agreed to stop: its line says how to go on."""
         return TrainingStopped(
-            f"stopped by {self.stopped_by or stop_cause()} after step {self.state.step:,} of {self.total_steps:,}; its checkpoint is "
-            f"written: {RESUME_HINT}"
+            f"stopped by {self.stopped_by or stop_cause()} after step {self.state.step:,} of {self.total_steps:,}; "
+            f"its checkpoint is written: {RESUME_HINT}"
         )
 
     def evaluation_due(self, step: int) -> bool:

@@ -66,8 +66,7 @@ class Cluster:
         self.store = dist.distributed_c10d._get_default_store()
         self.period = max(0.2, min(5.0, timeout_s / 10))
         self._stop = threading.Event()
-        self._heard = {r: time.monotonic() for r in range(self.world) if r != self.rank}  # last heartbeat seen
-        self._beats = dict.fromkeys(self._heard, 0)  # heartbeats seen, each rank's
+        self._beats = {r: 0 for r in range(self.world) if r != self.rank}  # heartbeats the watcher saw, per rank
         self._watcher = threading.Thread(target=self._watch, name="dflash-heartbeat", daemon=True)
 
     def __enter__(self) -> Cluster:
@@ -134,7 +133,7 @@ class Cluster:
             self._die(f"cannot reach the c10d store ({exc})")
         others = [r for r in range(self.world) if r != self.rank]
         keys = [f"{_KEY}hb/{r}" for r in others]
-        counts = dict.fromkeys(others, b"")
+        counts, heard = dict.fromkeys(others, b""), dict.fromkeys(others, time.monotonic())
         created = False
         while not self._stop.wait(self.period):
             try:
@@ -146,11 +145,9 @@ class Cluster:
                 now = time.monotonic()
                 for r, count in zip(others, store.multi_get(keys)):
                     if count != counts[r]:
-                        counts[r], self._heard[r] = count, now
+                        counts[r], heard[r] = count, now
                         self._beats[r] += 1
-                silent = [
-                    r for r in others if now - self._heard[r] > self.timeout_s and not store.check([f"{_KEY}left/{r}"])
-                ]
+                silent = [r for r in others if now - heard[r] > self.timeout_s and not store.check([f"{_KEY}left/{r}"])]
             except Exception:  # noqa: BLE001 - the store itself did not answer
                 if self._stop.is_set():
                     return

@@ -86,6 +86,7 @@ class _Stopped(BaseException):
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
+    _on_stop_signals(signal.SIG_IGN)  # once: a copy (the terminal's and the launcher's) would cut the unwinding
     raise _Stopped(signum)
 
 
@@ -104,7 +105,7 @@ def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int)
     try:
         results.put((rank, "ok", fn(rank, *args)))
     except (_Stopped, KeyboardInterrupt) as stop:  # no line of its own: the launcher knows why
-        _on_stop_signals(signal.SIG_IGN)
+        _on_stop_signals(signal.SIG_IGN)  # a KeyboardInterrupt left the handlers in place
         close_progress_bars()
         signum = stop.signum if isinstance(stop, _Stopped) else signal.SIGINT
         raise SystemExit(1 if signum == STOP_SIGNAL else signal_exit(signum)) from None  # finalizers still run
@@ -162,7 +163,7 @@ def _collect(procs: list, results, world_size: int) -> list[Any]:
             dead = [
                 r for r, p in enumerate(procs) if r not in done and not p.is_alive() and p.exitcode not in (None, 0)
             ]
-            if dead:  # one a stop signal that reached this process ended: that signal is the news
+            if dead:  # ended by a stop signal this process got too (and sent on): that signal is the news
                 how = f"stopped by {stop_cause()}" if stop_requested() else None
                 error = how or f"worker rank {dead[0]} {_how_it_ended(procs[dead[0]].exitcode)}"
                 interrupted = stop_signal() == signal.SIGINT
