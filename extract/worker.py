@@ -381,7 +381,7 @@ def warn_if_short_of_space(root: Path, tokens: int, bytes_per_token: int) -> Non
 
 # Wall-clock times of one invocation: reported by the CLI, kept out of the store so that identical
 # runs write identical bytes.
-RUN_TIMES = ("seconds", "writer_wait_s", "generate_seconds")
+RUN_TIMES = ("seconds", "forward_seconds", "writer_wait_s", "generate_seconds")
 
 
 def write_rank_summary(root: Path, summary: RankSummary) -> None:
