@@ -31,6 +31,7 @@ from dflash_pipeline.shared.runtime.errors import UserError
 from dflash_pipeline.shared.runtime.launch import RankFailed, spawn_ranks
 from dflash_pipeline.shared.runtime.progress import progress_note
 from dflash_pipeline.shared.runtime.run_lock import LOCK_NAME, empty_locked_folder, run_lock
+from dflash_pipeline.shared.runtime.stop import stopping_at_once
 from dflash_pipeline.shared.store import manifest as mf
 from dflash_pipeline.shared.store.errors import RESUME_HINT
 from dflash_pipeline.shared.store.layout import StoreLayout
@@ -326,9 +327,15 @@ def run_torchrun(cfg: ExtractConfig) -> RunSummary | None:
 
 
 def run_extraction(cfg: ExtractConfig) -> RunSummary | None:
-    """Run stage one as configured; returns the summary (None on torchrun ranks other than 0)."""
-    if under_torchrun():
-        return run_torchrun(cfg)
+    """Run stage one as configured; returns the summary (None on torchrun ranks other than 0). SIGTERM
+    and Ctrl-C stop it at once (`StopSignal`), which loses nothing: a rerun resumes from the last
+    committed batch. Spawned ranks get them from the process that started them, which waits for them."""
+    with stopping_at_once():
+        return run_torchrun(cfg) if under_torchrun() else run_here(cfg)
+
+
+def run_here(cfg: ExtractConfig) -> RunSummary:
+    """Stage one in this process, or in ranks it spawns."""
     device, gpus = resolve_devices(cfg.device, cfg.gpus, default_gpus=5)
     cfg = replace(cfg, device=device, gpus=gpus)
     started = time.perf_counter()

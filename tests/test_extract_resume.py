@@ -93,19 +93,15 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill: str) -> 
     else:
         proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
-    if kill == "ctrl-c":  # the ranks unwound, and the line says how to go on
+    if kill in ("ctrl-c", "sigterm"):  # the ranks unwound (bars ended, no semaphore left to warn of); one line
         stderr = proc.stderr.read().decode()
-        want = "dflash-extract: stopped by Ctrl-C; rerun the same command to resume from the last committed batch"
-        assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == want, stderr[-2000:]
+        name, code = ("Ctrl-C", 130) if kill == "ctrl-c" else ("SIGTERM", 143)
+        want = f"dflash-extract: stopped by {name}; rerun the same command to resume from the last committed batch"
+        assert proc.returncode == code and stderr.strip().splitlines()[-1] == want, stderr[-2000:]
         assert "Traceback" not in stderr and "Aborted" not in stderr, stderr[-2000:]
-    elif kill != "group":  # the parent notices, stops the ranks and says how to go on
+    elif kill == "rank":  # the parent notices, stops the other rank and says how to go on
         stderr = proc.stderr.read().decode()
         assert proc.returncode == 1 and "rerun the same command" in stderr, stderr[-2000:]
-        assert kill == "rank" or "dflash-extract: error: stopped by SIGTERM; rerun the same command" in stderr, stderr[
-            -2000:
-        ]
-        if kill == "sigterm":  # the ranks unwound: their bars ended, no semaphore was left to warn of
-            assert stderr.strip().splitlines()[-1].startswith("dflash-extract: error: "), stderr[-2000:]
     return committed_batches(out)
 
 

@@ -265,6 +265,29 @@ def test_ctrl_c_on_one_node_stops_both_after_one_step_and_each_says_why(spawned_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_a_stopped_extraction_node_says_so_and_the_other_names_why(
+    tiny_target_dir, small_corpus, spawned_store, tmp_path, sig, name
+):
+    """torchrun passes the signal on to its rank, which unwinds and says it was stopped (not killed
+    silently, as SIGTERM's default would); the other node names it, or the store its node kept going
+    with it; the rerun completes the same store."""
+    store = tmp_path / "store"
+    args = extract_args(tiny_target_dir, small_corpus, store)
+    nodes = start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs-stopped", args)
+    wait_for_batches(nodes, store, 2)
+    nodes[0].send_signal(sig)  # the agent alone, as a terminal's Ctrl-C or a scheduler's SIGTERM reaches it
+    (rc0, err0), (rc1, err1) = finish(nodes)
+    hint = "rerun the same command to resume from the last committed batch"
+    assert rc0 != 0 and f"dflash-extract: stopped by {name}; {hint}" in err0, err0[-3000:]
+    assert rc1 != 0, err1[-3000:]
+    assert f"rank 0 was stopped by {name}; {hint}" in err1 or "the c10d store" in err1, err1[-3000:]
+    results = finish(start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs-rerun", args))
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert stores_equal(store, spawned_store)
+
+
+@pytest.mark.slow
 def test_frozen_node_is_named_within_the_timeout(tiny_target_dir, tmp_path):
     store = tmp_path / "store"  # the whole sample small_corpus: node 1 is frozen long before its share is done
     nodes = start_nodes(

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dflash_pipeline.shared.runtime.errors import UserError
+from dflash_pipeline.shared.runtime.stop import StopSignal, signal_name, signal_of
 
 _KEY = "dflash/"
 _POLL_S = 0.2
@@ -56,6 +57,18 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+_STOPPED_BY = "stopped by "  # how a rank that a stop signal ended left (then the signal's name)
+
+
+def _how_they_ended(failed: dict[int, str]) -> str:
+    """What the ranks that failed or were stopped did, for the others' line."""
+    errors = [r for r, how in failed.items() if how == "error"]
+    stops = {how: [r for r, h in failed.items() if h == how] for how in failed.values() if how != "error"}
+    parts = [f"{_ranks(errors)} stopped with an error (see its output)"] if errors else []
+    parts += [f"{_ranks(ranks)} {'was' if len(ranks) == 1 else 'were'} {how}" for how, ranks in stops.items()]
+    return "; ".join(parts)
+
+
 class Cluster:
     """Heartbeats, meeting points and the shared-folder check of an initialized process group;
     use as a context manager around the rank's work (stops the watcher, tells the others how it ended)."""
@@ -79,8 +92,11 @@ class Cluster:
         self._stop.set()
         self._watcher.join()
         cause = exc is not None and not isinstance(exc, ClusterError)  # not: gave up because of another rank
+        how = "ok" if exc is None else "gave up" if not cause else "error"
+        if isinstance(exc, (StopSignal, KeyboardInterrupt)):
+            how = f"{_STOPPED_BY}{signal_name(signal_of(exc))}"
         try:
-            self.store.set(f"{_KEY}left/{self.rank}", "error" if cause else "ok" if exc is None else "gave up")
+            self.store.set(f"{_KEY}left/{self.rank}", how)
             if cause:
                 self.store.add(f"{_KEY}failed", 1)
             else:
@@ -94,7 +110,7 @@ class Cluster:
         if exc is not None and not isinstance(exc, UserError) and isinstance(exc, RuntimeError):
             failed = self._failed_ranks()  # a collective broke because another rank stopped
             if failed:
-                raise ClusterError(f"{_ranks(failed)} stopped with an error (see its output); {self.hint}") from exc
+                raise ClusterError(f"{_how_they_ended(failed)}; {self.hint}") from exc
 
     def _await_watcher(self) -> None:
         """A collective broke and no rank said why: a peer may have vanished without a word (SIGKILL, a
@@ -108,17 +124,18 @@ class Cluster:
                 return
             time.sleep(_POLL_S)
 
-    def _failed_ranks(self) -> list[int]:
+    def _failed_ranks(self) -> dict[int, str]:
+        """The other ranks that left with an error or stopped by a signal: how each left."""
+        failed = {}
         try:
-            return [
-                r
-                for r in range(self.world)
-                if r != self.rank
-                and self.store.check([f"{_KEY}left/{r}"])
-                and self.store.get(f"{_KEY}left/{r}") == b"error"
-            ]
+            for r in range(self.world):
+                if r != self.rank and self.store.check([f"{_KEY}left/{r}"]):
+                    how = self.store.get(f"{_KEY}left/{r}").decode()
+                    if how == "error" or how.startswith(_STOPPED_BY):
+                        failed[r] = how
         except Exception:  # noqa: BLE001
-            return []
+            return {}
+        return failed
 
     def _die(self, why: str) -> None:
         print(f"{self.cli}: error: rank {self.rank}: {why}; {self.hint}", file=sys.stderr, flush=True)
@@ -153,7 +170,7 @@ class Cluster:
                     return
                 self._die(
                     f"the c10d store ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}, "
-                    f"kept by the node of rank 0) did not answer for {self.timeout_s:g} s"
+                    "kept by the node of rank 0) stopped answering: that node ended, or this one is cut off from it"
                 )
             if silent and not self._stop.is_set():
                 self._die(
@@ -168,7 +185,7 @@ class Cluster:
         self.store.add(key, 1)
         while self.store.add(key, 0) < self.world:
             if self.store.add(f"{_KEY}failed", 0) and (failed := self._failed_ranks()):
-                raise ClusterError(f"{_ranks(failed)} stopped with an error (see its output); {self.hint}")
+                raise ClusterError(f"{_how_they_ended(failed)}; {self.hint}")
             time.sleep(_POLL_S)
 
     def require_shared(self, folder: Path, option: str) -> None:

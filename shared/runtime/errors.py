@@ -9,12 +9,13 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
+
+from dflash_pipeline.shared.runtime.stop import StopSignal, signal_name, signal_of
 
 DEBUG_ENV = "DFLASH_DEBUG"
 
@@ -68,9 +69,9 @@ def first_line(exc: BaseException) -> str:
 
 def cli_errors(cli: str, stopped_hint: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a click command's function (below its options): adds `--debug`, and prints a
-    `UserError` (or a failed worker rank) as `<cli>: error: <line>` with exit code 1, and a Ctrl-C that
-    reached it as `<cli>: stopped by Ctrl-C; <stopped_hint>` with exit code 130 (a shell's for SIGINT).
-    Usage errors stay click's (exit code 2)."""
+    `UserError` (or a failed worker rank) as `<cli>: error: <line>` with exit code 1, and a Ctrl-C or
+    SIGTERM that stopped it at once as `<cli>: stopped by Ctrl-C; <stopped_hint>` with a shell's exit
+    code for the signal (130, 143). Usage errors stay click's (exit code 2)."""
     from dflash_pipeline.shared.runtime.launch import RankFailed, signal_exit
     from dflash_pipeline.shared.runtime.progress import close_progress_bars
 
@@ -81,12 +82,13 @@ def cli_errors(cli: str, stopped_hint: str = "") -> Callable[[Callable[..., Any]
                 os.environ[DEBUG_ENV] = "1"  # worker processes inherit it
             try:
                 return fn(*args, **kwargs)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, StopSignal) as stop:
                 if debugging():
                     raise
                 close_progress_bars()
-                click.echo(f"{cli}: stopped by Ctrl-C" + (f"; {stopped_hint}" if stopped_hint else ""), err=True)
-                sys.exit(signal_exit(signal.SIGINT))
+                how = f"stopped by {signal_name(signal_of(stop))}"
+                click.echo(f"{cli}: {how}" + (f"; {stopped_hint}" if stopped_hint else ""), err=True)
+                sys.exit(signal_exit(signal_of(stop)))
             except Exception as exc:
                 line = first_line(exc) if isinstance(exc, RankFailed) else user_line(exc)
                 if line is None or debugging():

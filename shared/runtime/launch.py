@@ -28,8 +28,9 @@ from dflash_pipeline.shared.runtime.progress import close_progress_bars
 from dflash_pipeline.shared.runtime.stop import (
     STOP_SIGNALS,
     StoppedTogether,
+    StopSignal,
     signal_name,
-    stop_cause,
+    signal_of,
     stop_requested,
     stop_signal,
     stopping_gracefully,
@@ -77,17 +78,10 @@ def signal_exit(signum: int) -> int:
     return 128 + signum
 
 
-class _Stopped(BaseException):
-    """STOP_SIGNAL (another rank failed), SIGTERM or Ctrl-C: this rank stops where it is."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 def _raise_stopped(signum: int, frame: Any) -> None:
-    _on_stop_signals(signal.SIG_IGN)  # once: a copy (the terminal's and the launcher's) would cut the unwinding
-    raise _Stopped(signum)
+    """STOP_SIGNAL (another rank failed), SIGTERM or Ctrl-C: this rank stops where it is, once."""
+    _on_stop_signals(signal.SIG_IGN)  # a copy (the terminal's and the launcher's) would cut the unwinding
+    raise StopSignal(signum)
 
 
 def _on_stop_signals(handler: Any) -> None:
@@ -104,10 +98,10 @@ def _child(rank: int, fn: Callable[..., Any], args: tuple, results, parent: int)
     _on_stop_signals(_raise_stopped)
     try:
         results.put((rank, "ok", fn(rank, *args)))
-    except (_Stopped, KeyboardInterrupt) as stop:  # no line of its own: the launcher knows why
+    except (StopSignal, KeyboardInterrupt) as stop:  # no line of its own: the launcher knows why
         _on_stop_signals(signal.SIG_IGN)  # a KeyboardInterrupt left the handlers in place
         close_progress_bars()
-        signum = stop.signum if isinstance(stop, _Stopped) else signal.SIGINT
+        signum = signal_of(stop)
         raise SystemExit(1 if signum == STOP_SIGNAL else signal_exit(signum)) from None  # finalizers still run
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent as one line
         _on_stop_signals(signal.SIG_IGN)  # the launcher stopping the others must not cut this
@@ -128,7 +122,8 @@ def spawn_ranks(
     """Run `fn(rank, *args)` in `world_size` spawned processes; their results in rank order. SIGTERM
     or Ctrl-C here goes on to the ranks, and this process waits for what they make of it (training ranks
     stop at a step boundary with a checkpoint) instead of dying and taking them with it; after a second
-    Ctrl-C it waits STOP_GRACE_S for the ranks, which got it too, and raises KeyboardInterrupt."""
+    Ctrl-C it waits STOP_GRACE_S for the ranks, which got it too, and raises KeyboardInterrupt. Ranks
+    ended by a stop signal this process got too raise `StopSignal`, as if they had run here."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     saved = {k: os.environ.get(k) for k in (env or {})}
@@ -153,9 +148,9 @@ def spawn_ranks(
 
 def _collect(procs: list, results, world_size: int) -> list[Any]:
     """The ranks' results in rank order, or `RankFailed` for the first error or silent death
-    (KeyboardInterrupt where the ranks ended by a Ctrl-C that reached this process, as without them)."""
+    (`StopSignal` where they ended by a stop signal that reached this process too)."""
     done: dict[int, Any] = {}
-    error, failed, user_error, together, interrupted = None, None, False, False, False
+    error, failed, user_error, together, stopped_by = None, None, False, False, None
     while len(done) < world_size and error is None:
         try:
             rank, status, payload = results.get(timeout=1.0)
@@ -163,10 +158,8 @@ def _collect(procs: list, results, world_size: int) -> list[Any]:
             dead = [
                 r for r, p in enumerate(procs) if r not in done and not p.is_alive() and p.exitcode not in (None, 0)
             ]
-            if dead:  # ended by a stop signal this process got too (and sent on): that signal is the news
-                how = f"stopped by {stop_cause()}" if stop_requested() else None
-                error = how or f"worker rank {dead[0]} {_how_it_ended(procs[dead[0]].exitcode)}"
-                interrupted = stop_signal() == signal.SIGINT
+            if dead:  # one ended by a stop signal this process got too (and sent on) is no error
+                error, stopped_by = f"worker rank {dead[0]} {_how_it_ended(procs[dead[0]].exitcode)}", stop_signal()
             continue
         if status == "ok":
             done[rank] = payload
@@ -177,8 +170,8 @@ def _collect(procs: list, results, world_size: int) -> list[Any]:
         _end_ranks(procs, failed, tell=not (together or stop_requested()))
     for p in procs:
         p.join()
-    if interrupted:
-        raise KeyboardInterrupt
+    if stopped_by is not None:
+        raise StopSignal(stopped_by)
     if error is not None:
         raise RankFailed(error, user_error)
     return [done[r] for r in range(world_size)]

@@ -27,6 +27,20 @@ class Interrupted(Exception):
     """A stop signal arrived inside `interrupting_on_stop`."""
 
 
+class StopSignal(BaseException):
+    """SIGTERM or Ctrl-C where work stops where it is (`stopping_at_once`) and unwinds, closing what it
+    holds; a BaseException, as KeyboardInterrupt is, so that no `except Exception` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def signal_of(stop: BaseException) -> int:
+    """The signal a `StopSignal` or KeyboardInterrupt stands for."""
+    return stop.signum if isinstance(stop, StopSignal) else signal.SIGINT
+
+
 class StoppedTogether(Exception):
     """Raised by every rank at the same point after they agreed to stop (training at a step boundary):
     the launcher lets each unwind by itself instead of stopping the others as after a failure."""
@@ -104,6 +118,28 @@ def stopping_gracefully(forward_to: Callable[[], Iterable[int]] = tuple) -> Iter
     finally:
         _restore(previous)
         _received.clear()
+
+
+def raise_stop_signal(signum: int, frame: object = None) -> None:
+    """A signal handler: ignore further stop signals (a terminal's Ctrl-C and a launcher's copy of it
+    arrive moments apart, and a second would cut the unwinding short), then raise `StopSignal`."""
+    for other in STOP_SIGNALS:
+        signal.signal(other, signal.SIG_IGN)
+    raise StopSignal(signum)
+
+
+@contextmanager
+def stopping_at_once() -> Iterator[None]:
+    """SIGTERM and Ctrl-C raise `StopSignal` for the duration: for work that resumes wherever it stops
+    (extraction keeps its committed batches). Main thread only, as `stopping_gracefully`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = _set_handlers(raise_stop_signal)
+    try:
+        yield
+    finally:
+        _restore(previous)
 
 
 @contextmanager
