@@ -48,3 +48,17 @@ def test_a_second_ctrl_c_stops_at_once_while_copies_of_the_first_and_sigterms_ar
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             pytest.fail("a second Ctrl-C did not stop at once")
+
+
+def test_a_stop_signal_raises_once_inside_stopping_at_once_and_the_handlers_come_back() -> None:
+    from dflash_pipeline.shared.runtime.stop import StopSignal, signal_of, stopping_at_once
+
+    handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    with pytest.raises(StopSignal) as stopped, stopping_at_once():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            pytest.fail("SIGTERM did not stop")
+        finally:  # the unwinding: a copy of the signal must not raise again here
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal_of(stopped.value) == signal.SIGTERM
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers

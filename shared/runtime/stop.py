@@ -4,7 +4,8 @@ or Ctrl-C (SIGINT, what a user at the terminal presses).
 The handler only records the signal; the training loop looks at step boundaries, where every rank can
 agree to stop at the same step and write its checkpoint, so a stopped run resumes without losing steps.
 Work too long to wait for and cheap to redo (one prompt's decoding) runs inside `interrupting_on_stop`,
-where the signal also raises `Interrupted` at once. A second Ctrl-C stops at once (KeyboardInterrupt):
+where the signal also raises `Interrupted` at once; work that resumes wherever it stops (extraction)
+runs inside `stopping_at_once`, where it raises `StopSignal`. A second Ctrl-C stops at once (KeyboardInterrupt):
 the way out of a wait that reaches no step boundary. A terminal's Ctrl-C reaches every process of its
 group and a launcher forwards it too, so copies that arrive within REPEAT_GAP_S of the first are one press.
 """
