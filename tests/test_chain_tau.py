@@ -8,13 +8,14 @@ and any count would pass).
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_dflash2_generate import dflash2_drafter
-from test_speculative import B, prompts, random_drafter, run_eval
+from test_speculative import B, invoke_eval, prompts, random_drafter, run_eval
 
 from dflash_pipeline.shared.generation.speculative import dflash_generate, target_generate
 from dflash_pipeline.shared.model.blocks import build_blocks
@@ -150,3 +151,23 @@ def test_dflash_eval_chain_refuses_what_it_cannot_measure(tiny_target_dir, sampl
     args = ["--target", str(tiny_target_dir), "--drafter", str(tmp_path), "--prompts", str(sample_corpus)]
     result = CliRunner().invoke(main, [*args, "--max-new-tokens", "24", "--device", "cpu", *extra])
     assert result.exit_code != 0 and message in result.output
+
+
+def test_sigterm_stops_dflash_eval_chain_at_once_with_one_line(
+    target, tiny_target_dir, sample_corpus, tmp_path, monkeypatch
+):
+    """--chain batches all replies, so nothing is kept: it stops at once, says so, and exits as a shell does."""
+    import signal
+
+    from dflash_pipeline.train import chain_tau
+
+    replies = chain_tau.greedy_replies
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return replies(*args, **kwargs)
+
+    monkeypatch.setattr(chain_tau, "greedy_replies", signalled)
+    stopped = invoke_eval(target, tiny_target_dir, sample_corpus, tmp_path, "--chain")
+    assert stopped.exit_code == 143 and stopped.output.splitlines()[-1] == "dflash-eval: stopped by SIGTERM"
+    assert not (tmp_path / "eval.json").exists()

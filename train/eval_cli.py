@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,7 +37,13 @@ from dflash_pipeline.shared.runtime.device import DEVICE_HELP, resolve_device
 from dflash_pipeline.shared.runtime.durable import write_bytes_durably
 from dflash_pipeline.shared.runtime.errors import UserError, cli_errors, first_line
 from dflash_pipeline.shared.runtime.progress import progress_bar, progress_note
-from dflash_pipeline.shared.runtime.stop import Interrupted, interrupting_on_stop, stop_cause, stopping_gracefully
+from dflash_pipeline.shared.runtime.stop import (
+    Interrupted,
+    interrupting_on_stop,
+    stop_cause,
+    stopping_at_once,
+    stopping_gracefully,
+)
 
 # what a resumed report must share with the stopped one, so that its prompts mean the same thing
 RESUME_KEYS = (
@@ -395,7 +400,7 @@ def chain_report(cfg: EvalConfig, target, drafter, capture, prompts: list[list[i
 def main(**opts) -> None:
     """Measure acceptance length and speedup of a drafter; check lossless greedy decoding."""
     cfg = config_from_cli(EvalConfig, opts)
-    with nullcontext() if cfg.chain else stopping_gracefully():  # --chain's replies are batched: it just dies
+    with stopping_at_once() if cfg.chain else stopping_gracefully():  # --chain's replies are batched: all or none
         report = evaluate(replace(cfg, device=resolve_device("dflash-eval", cfg.device)))
         if cfg.json_path and (report["per_prompt"] or report.get("complete")):  # a shard may have no prompts
             write_bytes_durably(Path(cfg.json_path), json.dumps(report, indent=1).encode())
