@@ -297,7 +297,10 @@ def run_torchrun(cfg: ExtractConfig) -> RunSummary | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     started = time.perf_counter()
     try:
-        with Cluster("dflash-extract", cfg.collective_timeout, RESUME_HINT) as cluster, ExitStack() as held:
+        with (
+            Cluster("dflash-extract", cfg.collective_timeout, RESUME_HINT, interrupt_on_failure=True) as cluster,
+            ExitStack() as held,
+        ):
             cluster.require_shared(Path(cfg.out), "--out")
             cfg = replace(cfg, gpus=tuple(range(world)) if cfg.device == "cuda" else (), workers=world)
             status = [None]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_extract_resume import SMALL_BATCHES, children_of, committed_batches
+from test_extract_resume import SMALL_BATCHES, children_of, committed_batches, rank_progress
 
 from dflash_pipeline.data import sample_corpus_path
 from dflash_pipeline.shared.runtime.launch import free_port
@@ -285,6 +285,29 @@ def test_a_stopped_extraction_node_says_so_and_the_other_names_why(
     results = finish(start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs-rerun", args))
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
     assert stores_equal(store, spawned_store)
+
+
+@pytest.mark.slow
+def test_a_failed_node_stops_the_others_at_once_not_after_their_share(tiny_target_dir, tmp_path):
+    """Node 1 cannot read --target (a relative path that exists on node 0 only: paths must be the same
+    on every node). Node 0, with minutes of its share left on a large run, stops within a few heartbeats
+    and names the failed rank, instead of finding out at the end of its share."""
+    import shutil
+
+    cwds = (tmp_path / "node0", tmp_path / "node1")
+    for cwd in cwds:
+        cwd.mkdir()
+    shutil.copytree(tiny_target_dir, cwds[0] / "target")
+    data = tmp_path / "large.jsonl"
+    data.write_text(sample_corpus_path().read_text() * 20)
+    store = tmp_path / "store"
+    args = [*extract_args(Path("target"), data, store, "--collective-timeout", "5"), "--tokenize-processes", "1"]
+    nodes = start_nodes("dflash_pipeline.extract.cli", tmp_path / "logs", args, cwds)
+    (rc0, err0), (rc1, err1) = finish(nodes)
+    assert rc1 == 1 and "dflash-extract: error: target: no such folder" in err1, err1[-3000:]
+    assert rc0 == 1, err0[-3000:]
+    assert "dflash-extract: error: rank 1 stopped with an error (see its output); rerun the same command" in err0
+    assert not rank_progress(store).get(0, {}).get("done"), "node 0 did all of its share first"
 
 
 @pytest.mark.slow

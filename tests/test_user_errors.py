@@ -98,6 +98,21 @@ def test_missing_data_file_is_one_line_and_writes_nothing(tiny_target_dir, tmp_p
     assert not out.exists()
 
 
+@pytest.mark.parametrize("stage", ["extract", "train", "eval"])
+def test_a_target_that_is_no_folder_is_refused_at_once(stage, store, drafter, small_corpus, tmp_path, monkeypatch):
+    """A typo in --target: transformers would take the name for a Hub repository and retry downloads
+    for half a minute (no network here) before an error about huggingface.co."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    typo = tmp_path / "Qwen3-8b"
+    main, args = {
+        "extract": (extract_main, ["--data", str(small_corpus), "--out", str(tmp_path / "s"), "--device", "cpu"]),
+        "train": (train_main, ["--store", str(store), "--out", str(tmp_path / "run"), *TINY_DRAFTER_ARGS]),
+        "eval": (eval_main, eval_args(typo, drafter, small_corpus)[2:]),
+    }[stage]
+    line = fails(main, ["--target", str(typo), *args], f"{typo}: no such folder; --target is the target model's")
+    assert "huggingface" not in line
+
+
 def test_target_without_tokenizer_files_says_so(tiny_target_dir, small_corpus, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -661,7 +661,9 @@ def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None,
             held.enter_context(stopping_gracefully())
             cluster = None
             if dist.is_initialized():
-                cluster = held.enter_context(Cluster("dflash-train", cfg.collective_timeout, RESUME_HINT))
+                cluster = held.enter_context(
+                    Cluster("dflash-train", cfg.collective_timeout, RESUME_HINT, interrupt_on_failure=torchrun)
+                )
                 cluster.require_shared(Path(cfg.out), "--out")
             if torchrun:
                 lock_out_on_rank0(rank, cfg, held)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dflash_pipeline.shared.runtime.errors import UserError
-from dflash_pipeline.shared.runtime.stop import StopSignal, signal_name, signal_of
+from dflash_pipeline.shared.runtime.stop import StoppedTogether, StopSignal, signal_name, signal_of
 
 _KEY = "dflash/"
 _POLL_S = 0.2
@@ -36,6 +37,15 @@ _POLL_S = 0.2
 
 class ClusterError(UserError, RuntimeError):
     """The ranks cannot go on together (a rank failed, or a folder is not shared); one line for the user."""
+
+
+class PeerStopped(BaseException):
+    """Raised in a rank's main thread by its watcher when another rank failed or was stopped, so that it
+    unwinds now rather than at its next meeting point (hours of extraction away); a BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` swallows it."""
+
+
+PEER_SIGNAL = signal.SIGUSR2  # how the watcher interrupts its main thread (SIGUSR1 is the launcher's)
 
 
 def group_timeout(timeout_s: float) -> timedelta:
@@ -73,8 +83,12 @@ class Cluster:
     """Heartbeats, meeting points and the shared-folder check of an initialized process group;
     use as a context manager around the rank's work (stops the watcher, tells the others how it ended)."""
 
-    def __init__(self, cli: str, timeout_s: float, hint: str):
+    def __init__(self, cli: str, timeout_s: float, hint: str, interrupt_on_failure: bool = False):
+        """`interrupt_on_failure`: raise `PeerStopped` in this rank as soon as another failed (for ranks
+        that torchrun started: spawned ones have a launcher of ours that stops the others itself)."""
         self.cli, self.timeout_s, self.hint = cli, timeout_s, hint
+        self.interrupt = interrupt_on_failure and threading.current_thread() is threading.main_thread()
+        self._exiting = False
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store = dist.distributed_c10d._get_default_store()
         self.period = max(0.2, min(5.0, timeout_s / 10))
@@ -83,17 +97,30 @@ class Cluster:
         self._watcher = threading.Thread(target=self._watch, name="dflash-heartbeat", daemon=True)
 
     def __enter__(self) -> Cluster:
+        if self.interrupt:
+            self._previous = signal.signal(PEER_SIGNAL, self._peer_stopped)
         self._watcher.start()
         return self
 
+    def _peer_stopped(self, signum: int, frame: object) -> None:
+        if not self._exiting:  # sent just before __exit__ stopped the watcher: this rank is unwinding already
+            self._exiting = True
+            raise PeerStopped
+
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._exiting = True
         if isinstance(exc, RuntimeError) and not isinstance(exc, UserError) and not self._failed_ranks():
             self._await_watcher()
         self._stop.set()
         self._watcher.join()
-        cause = exc is not None and not isinstance(exc, ClusterError)  # not: gave up because of another rank
+        if self.interrupt:
+            signal.signal(PEER_SIGNAL, self._previous)
+        # not a cause: gave up because of another rank, or stopped with every rank (training's stop signal)
+        cause = exc is not None and not isinstance(exc, (ClusterError, PeerStopped, StoppedTogether))
         how = "ok" if exc is None else "gave up" if not cause else "error"
-        if isinstance(exc, (StopSignal, KeyboardInterrupt)):
+        if isinstance(exc, StoppedTogether):
+            how = "stopped together"
+        elif isinstance(exc, (StopSignal, KeyboardInterrupt)):
             how = f"{_STOPPED_BY}{signal_name(signal_of(exc))}"
         try:
             self.store.set(f"{_KEY}left/{self.rank}", how)
@@ -107,6 +134,8 @@ class Cluster:
                     time.sleep(_POLL_S)
         except Exception:  # noqa: BLE001 - the store's host may be gone; the original error matters
             pass
+        if isinstance(exc, PeerStopped):
+            raise ClusterError(f"{_how_they_ended(self._failed_ranks())}; {self.hint}") from None
         if exc is not None and not isinstance(exc, UserError) and isinstance(exc, RuntimeError):
             failed = self._failed_ranks()  # a collective broke because another rank stopped
             if failed:
@@ -124,13 +153,15 @@ class Cluster:
                 return
             time.sleep(_POLL_S)
 
-    def _failed_ranks(self) -> dict[int, str]:
-        """The other ranks that left with an error or stopped by a signal: how each left."""
+    def _failed_ranks(self, store: dist.Store | None = None) -> dict[int, str]:
+        """The other ranks that left with an error or stopped by a signal: how each left (read through
+        `store`, the watcher's own connection, else the main thread's)."""
+        store = store or self.store
         failed = {}
         try:
             for r in range(self.world):
-                if r != self.rank and self.store.check([f"{_KEY}left/{r}"]):
-                    how = self.store.get(f"{_KEY}left/{r}").decode()
+                if r != self.rank and store.check([f"{_KEY}left/{r}"]):
+                    how = store.get(f"{_KEY}left/{r}").decode()
                     if how == "error" or how.startswith(_STOPPED_BY):
                         failed[r] = how
         except Exception:  # noqa: BLE001
@@ -151,7 +182,7 @@ class Cluster:
         others = [r for r in range(self.world) if r != self.rank]
         keys = [f"{_KEY}hb/{r}" for r in others]
         counts, heard = dict.fromkeys(others, b""), dict.fromkeys(others, time.monotonic())
-        created = False
+        created, seen, told = False, False, False
         while not self._stop.wait(self.period):
             try:
                 store.add(f"{_KEY}hb/{self.rank}", 1)
@@ -165,6 +196,13 @@ class Cluster:
                         counts[r], heard[r] = count, now
                         self._beats[r] += 1
                 silent = [r for r in others if now - heard[r] > self.timeout_s and not store.check([f"{_KEY}left/{r}"])]
+                if self.interrupt and not told and store.add(f"{_KEY}failed", 0) and self._failed_ranks(store):
+                    # one period's grace first: a rank failing with the others (the same bad loss) is
+                    # unwinding by itself, and an interrupt would cut that short
+                    told = seen and not self._exiting
+                    if told:
+                        signal.pthread_kill(threading.main_thread().ident, PEER_SIGNAL)
+                    seen = True
             except Exception:  # noqa: BLE001 - the store itself did not answer
                 if self._stop.is_set():
                     return

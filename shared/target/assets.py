@@ -18,7 +18,7 @@ from dflash_pipeline.shared.runtime.durable import filling_folder, replace_dir_d
 from dflash_pipeline.shared.runtime.errors import first_line
 from dflash_pipeline.shared.store.errors import RESUME_HINT
 from dflash_pipeline.shared.store.layout import StoreLayout
-from dflash_pipeline.shared.target.loading import TargetError, gguf_file_of, text_config
+from dflash_pipeline.shared.target.loading import TargetError, gguf_file_of, require_target_folder, text_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -26,6 +26,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 def load_tokenizer(target: str | Path) -> PreTrainedTokenizerBase:
     """The target's fast tokenizer; a folder without tokenizer files is refused (transformers would
     otherwise build an empty tokenizer from the config alone)."""
+    require_target_folder(target)
     gguf = gguf_file_of(target)
     if not gguf and Path(target).is_dir() and not any((Path(target) / f).exists() for f in TOKENIZER_FILES):
         raise TargetError(

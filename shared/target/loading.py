@@ -35,7 +35,19 @@ def gguf_file_of(target: str | Path) -> str | None:
     return ggufs[0]
 
 
+def require_target_folder(target: str | Path) -> None:
+    """--target is a local folder: transformers would take any other name for a Hub repository and spend
+    half a minute retrying downloads (this pipeline never reaches the network) before a confusing error."""
+    if not Path(target).is_dir():
+        what = "not a folder" if Path(target).exists() else "no such folder"
+        raise TargetError(
+            f"{target}: {what}; --target is the target model's local folder (config.json, weights, tokenizer), "
+            "at the same path on every node"
+        )
+
+
 def load_target_config(target: str | Path) -> PretrainedConfig:
+    require_target_folder(target)
     gguf = gguf_file_of(target)
     try:
         return (
