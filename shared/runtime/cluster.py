@@ -11,6 +11,9 @@
   as the work does while a dead peer is still noticed within `timeout`. A rank that stopped with an
   error is reported at once. Collectives themselves get twice `timeout` as a backstop; one that breaks
   with no rank having reported an error (a peer killed without a word) waits for the watcher's verdict.
+- Failing fast (`interrupt_on_failure`, for ranks torchrun started): the watcher also interrupts its
+  rank's main thread (`PeerStopped`) once another rank failed or was stopped, instead of letting it work
+  on to its next meeting point.
 - Shared folders (`require_shared`): rank 0 writes a nonce file, every rank reads it back, and all
   refuse to start unless every rank saw it.
 """
@@ -103,7 +106,8 @@ class Cluster:
         return self
 
     def _peer_stopped(self, signum: int, frame: object) -> None:
-        if not self._exiting:  # sent just before __exit__ stopped the watcher: this rank is unwinding already
+        """PEER_SIGNAL's handler; none once this rank unwinds (one sent just before __exit__ stopped the watcher)."""
+        if not self._exiting:
             self._exiting = True
             raise PeerStopped
 
@@ -135,7 +139,8 @@ class Cluster:
         except Exception:  # noqa: BLE001 - the store's host may be gone; the original error matters
             pass
         if isinstance(exc, PeerStopped):
-            raise ClusterError(f"{_how_they_ended(self._failed_ranks())}; {self.hint}") from None
+            how = _how_they_ended(self._failed_ranks()) or "another rank stopped"  # or the store went meanwhile
+            raise ClusterError(f"{how}; {self.hint}") from None
         if exc is not None and not isinstance(exc, UserError) and isinstance(exc, RuntimeError):
             failed = self._failed_ranks()  # a collective broke because another rank stopped
             if failed:
