@@ -604,9 +604,13 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_resumed_run_en
     assert_same_run(stopped, Path(cfg.out))
 
 
-def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_line(store_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("helper", ["compiler", "loader"])
+def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_line(
+    helper, store_dir, tmp_path, monkeypatch
+):
     """SIGTERM to a process group reaches the step's helper processes too (a compile's workers: on this
-    CPU a `g++` killed mid-compile failed the first compiled step with a C++ compile error): the run
+    CPU a `g++` killed mid-compile failed the first compiled step with a C++ compile error; loader workers
+    still starting, before they ignore it: `make demo` stopped by Ctrl-C failed the fetch): the run
     stops with the stop's line, not the helper's error, and resumes from its last checkpoint to end as
     the uninterrupted run."""
 
@@ -614,7 +618,7 @@ def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_lin
 
     cfg = replace(base_config(store_dir, tmp_path / "a"), max_steps=4, checkpoint_every=2, eval_every=2)
     run_training(cfg)
-    one_step = loop.Trainer.train_step
+    one_step, feed = loop.Trainer.train_step, loop.device_batches
 
     def step_whose_compiler_dies(self, ddp, batch):
         if self.state.step == 2:
@@ -622,7 +626,17 @@ def test_sigterm_that_fails_a_step_through_its_helpers_stops_with_the_stop_s_lin
             raise RuntimeError("C++ compile error")
         return one_step(self, ddp, batch)
 
-    monkeypatch.setattr(loop.Trainer, "train_step", step_whose_compiler_dies)
+    def batches_whose_loader_dies(*args):
+        for n, item in enumerate(feed(*args)):
+            if n == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise RuntimeError("DataLoader worker (pid(s) 1) exited unexpectedly")
+            yield item
+
+    if helper == "compiler":
+        monkeypatch.setattr(loop.Trainer, "train_step", step_whose_compiler_dies)
+    else:
+        monkeypatch.setattr(loop, "device_batches", batches_whose_loader_dies)
     stopped = tmp_path / "b"
     with pytest.raises(loop.TrainingStopped, match=r"SIGTERM during step 3 of 4, .*\(RuntimeError\); .*--resume"):
         run_training(replace(cfg, out=str(stopped)))

@@ -115,9 +115,11 @@ def _start_worker(worker_id: int) -> None:
     """One codec thread (parallelism comes from the worker processes; codec threads inside each would
     oversubscribe), and this worker's own slots mapped into its page table before the first step.
     SIGTERM and Ctrl-C are the rank's to act on (it stops at a step boundary with a checkpoint); a worker
-    dying by the one its process group got would fail the rank's next fetch first."""
+    dying by the one its process group got would fail the rank's next fetch first. The worker started
+    with them blocked (`device_batches`), so that one sent while it imported is dropped here, not fatal."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     decode_in_this_thread_only()
     info = get_worker_info()
     for buffer in info.dataset.slots.buffers[worker_id :: info.num_workers]:
@@ -172,7 +174,11 @@ def device_batches(
     )
     copies: deque[torch.cuda.Event] = deque()  # device copies of the last two batches
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    it = iter(loader)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the workers inherit the mask; this
+    try:  # process gets what came meanwhile once it unblocks
+        it = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     try:
         while True:
             if len(copies) == 2:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -357,43 +357,48 @@ class Trainer:
         throughput = Throughput()
         workers = cfg.resolved_loader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         dataset = StepDataset(cfg.store, self.plan, self.spec)
-        for epoch, k, batch in device_batches(
-            dataset, self.schedule[state.step : self.total_steps], workers, self.device
-        ):
-            try:
-                result = self.train_step(ddp, batch)
-            except Exception as exc:
-                if not stop_requested():
-                    raise
-                bar.close()  # the signal reached the step's helpers too (a compile's workers): it cannot end
-                raise TrainingStopped(
-                    f"stopped by {stop_cause()} during step {state.step + 1:,} of {self.total_steps:,}, which its "
-                    f"helper processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
-                ) from exc
-            state.step += 1
-            state.epoch, state.step_in_epoch = epoch, k + 1
-            state.last_loss = result.loss
-            throughput.add(int((batch["context_doc"] >= 0).sum()) * self.world)
-            if state.step % cfg.log_every == 0 or state.step == self.total_steps:
-                rate = throughput.rate()
-                metrics.write(self.step_record(result, rate))
-                bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{rate:,.0f}")
-            bar.update(1)
-            saved = state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps
-            if saved:
-                self.save_checkpoint()  # before the evaluation: a cut while it runs loses no steps
-            stop = result.stop
-            if not stop and self.evaluation_due(state.step):
-                evaluated = self.log_evaluation(metrics)
-                if evaluated is None:
-                    stop = True
-                else:
-                    tau = evaluated
-            if stop:  # the resumed run runs this step's evaluation first, if one was due
-                if not saved:
-                    self.save_checkpoint()
-                bar.close()
-                raise self.stopped()
+        with closing(
+            device_batches(dataset, self.schedule[state.step : self.total_steps], workers, self.device)
+        ) as batches:
+            while True:
+                try:  # the fetch too: its loader workers may be starting, not yet deaf to the group's signal
+                    fetched = next(batches, None)
+                    if fetched is None:
+                        break
+                    epoch, k, batch = fetched
+                    result = self.train_step(ddp, batch)
+                except Exception as exc:
+                    if not stop_requested():
+                        raise
+                    bar.close()  # the signal reached the step's helpers too (loader or compile workers): it cannot end
+                    raise TrainingStopped(
+                        f"stopped by {stop_cause()} during step {state.step + 1:,} of {self.total_steps:,}, which its "
+                        f"helper processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
+                    ) from exc
+                state.step += 1
+                state.epoch, state.step_in_epoch = epoch, k + 1
+                state.last_loss = result.loss
+                throughput.add(int((batch["context_doc"] >= 0).sum()) * self.world)
+                if state.step % cfg.log_every == 0 or state.step == self.total_steps:
+                    rate = throughput.rate()
+                    metrics.write(self.step_record(result, rate))
+                    bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{rate:,.0f}")
+                bar.update(1)
+                saved = state.step % cfg.checkpoint_every == 0 or state.step == self.total_steps
+                if saved:
+                    self.save_checkpoint()  # before the evaluation: a cut while it runs loses no steps
+                stop = result.stop
+                if not stop and self.evaluation_due(state.step):
+                    evaluated = self.log_evaluation(metrics)
+                    if evaluated is None:
+                        stop = True
+                    else:
+                        tau = evaluated
+                if stop:  # the resumed run runs this step's evaluation first, if one was due
+                    if not saved:
+                        self.save_checkpoint()
+                    bar.close()
+                    raise self.stopped()
         bar.close()
         return tau, rate
 
