@@ -113,7 +113,7 @@ class StepResult:
     grad_norm: float
     correct: np.ndarray
     total: np.ndarray
-    stop: str | None  # the stop signals any rank got ("SIGTERM", "Ctrl-C"): every rank stops after this step
+    stop: bool  # a rank got a stop signal (which: `Trainer.stopped_by`): every rank stops after this step
 
 
 def backend_for(cfg: TrainConfig, device: torch.device) -> str:
@@ -475,7 +475,7 @@ class Trainer:
             {key: value / denominator for key, value in zip(terms, reduced[2:])},
             reduced[1] / self.world,
             *np.split(counts, 2),
-            self.stopped_by,
+            self.stopped_by is not None,
         )
 
     def step_record(self, result: StepResult, rate: float) -> dict:

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from dflash_pipeline.shared.runtime.stop import StopSignal, signal_name, signal_of
+from dflash_pipeline.shared.runtime.stop import StopSignal, signal_exit, signal_name, signal_of
 
 DEBUG_ENV = "DFLASH_DEBUG"
 
@@ -72,7 +72,7 @@ def cli_errors(cli: str, stopped_hint: str = "") -> Callable[[Callable[..., Any]
     `UserError` (or a failed worker rank) as `<cli>: error: <line>` with exit code 1, and a Ctrl-C or
     SIGTERM that stopped it at once as `<cli>: stopped by Ctrl-C; <stopped_hint>` with a shell's exit
     code for the signal (130, 143). Usage errors stay click's (exit code 2)."""
-    from dflash_pipeline.shared.runtime.launch import RankFailed, signal_exit
+    from dflash_pipeline.shared.runtime.launch import RankFailed
     from dflash_pipeline.shared.runtime.progress import close_progress_bars
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:

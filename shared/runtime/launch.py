@@ -29,6 +29,7 @@ from dflash_pipeline.shared.runtime.stop import (
     STOP_SIGNALS,
     StoppedTogether,
     StopSignal,
+    signal_exit,
     signal_name,
     signal_of,
     stop_requested,
@@ -71,11 +72,6 @@ def die_with_parent(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
-
-
-def signal_exit(signum: int) -> int:
-    """A rank's exit status after it unwound on `signum`, as a shell's (143 for SIGTERM, 130 for Ctrl-C)."""
-    return 128 + signum
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:

@@ -57,6 +57,11 @@ def signal_name(signum: int) -> str:
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
+def signal_exit(signum: int) -> int:
+    """A process's exit status after it stopped on `signum`, as a shell's (143 for SIGTERM, 130 for Ctrl-C)."""
+    return 128 + signum
+
+
 def stop_signal() -> int | None:
     """The first stop signal that came since `stopping_gracefully` began, if any."""
     return _received[0][0] if _received else None
@@ -121,7 +126,7 @@ def stopping_gracefully(forward_to: Callable[[], Iterable[int]] = tuple) -> Iter
         _received.clear()
 
 
-def raise_stop_signal(signum: int, frame: object = None) -> None:
+def _raise_stop_signal(signum: int, frame: object = None) -> None:
     """A signal handler: ignore further stop signals (a terminal's Ctrl-C and a launcher's copy of it
     arrive moments apart, and a second would cut the unwinding short), then raise `StopSignal`."""
     for other in STOP_SIGNALS:
@@ -136,7 +141,7 @@ def stopping_at_once() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = _set_handlers(raise_stop_signal)
+    previous = _set_handlers(_raise_stop_signal)
     try:
         yield
     finally:

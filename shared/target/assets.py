@@ -28,7 +28,7 @@ def load_tokenizer(target: str | Path) -> PreTrainedTokenizerBase:
     otherwise build an empty tokenizer from the config alone)."""
     require_target_folder(target)
     gguf = gguf_file_of(target)
-    if not gguf and Path(target).is_dir() and not any((Path(target) / f).exists() for f in TOKENIZER_FILES):
+    if not gguf and not any((Path(target) / f).exists() for f in TOKENIZER_FILES):
         raise TargetError(
             f"{target}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
             "copy them from the model's repository into this folder"
