@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -75,22 +76,15 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill: str) -> 
     to the group, as a terminal sends it); -> batches committed."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 240
+    if kill == "rank":
+        kill_a_rank_with_work_left(proc, out, min_batches, deadline)
     while committed_batches(out) < min_batches:
         assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
         assert time.time() < deadline, "no progress"
         time.sleep(0.05)
-    if kill == "rank":
-        workers = spawned_children(proc.pid)
-        assert len(workers) == 2, workers  # started in rank order
-        # a rank with work left: one that already finished reported its result, and the run would
-        # rightly complete without it (seen under CI load, where one rank ran far ahead)
-        progress = rank_progress(out)
-        busy = [r for r in range(2) if not progress.get(r, {}).get("done")]
-        assert busy, "both ranks finished before the kill"
-        os.kill(workers[min(busy, key=lambda r: progress.get(r, {}).get("batches", 0))], signal.SIGKILL)
-    elif kill in ("group", "ctrl-c"):
+    if kill in ("group", "ctrl-c"):
         os.killpg(proc.pid, signal.SIGINT if kill == "ctrl-c" else signal.SIGKILL)
-    else:
+    elif kill == "sigterm":
         proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     if kill in ("ctrl-c", "sigterm"):  # the ranks unwound (bars ended, no semaphore left to warn of); one line
@@ -103,6 +97,33 @@ def run_until_killed(cmd: list[str], out: Path, min_batches: int, kill: str) -> 
         stderr = proc.stderr.read().decode()
         assert proc.returncode == 1 and "rerun the same command" in stderr, stderr[-2000:]
     return committed_batches(out)
+
+
+def kill_a_rank_with_work_left(proc: subprocess.Popen, out: Path, min_batches: int, deadline: float) -> None:
+    """Once `min_batches` are committed, SIGKILL a rank with work left: one that already finished
+    reported its result, and the run would rightly complete without it (seen under CI load, where one
+    rank ran far ahead). The ranks are frozen (SIGSTOP) while their progress is read, so that none
+    finishes between that look and the kill (the rest of the run takes under a second here; under CI
+    load both ranks had finished by the time of the kill)."""
+    while True:
+        assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        assert time.time() < deadline, "no progress"
+        workers = spawned_children(proc.pid)  # in rank order
+        if len(workers) == 2:
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                if committed_batches(out) >= min_batches:
+                    progress = rank_progress(out)
+                    busy = [r for r in range(2) if not progress.get(r, {}).get("done")]
+                    assert busy, "both ranks finished before the kill"
+                    os.kill(workers[min(busy, key=lambda r: progress.get(r, {}).get("batches", 0))], signal.SIGKILL)
+                    return
+            finally:
+                for pid in workers:
+                    with suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
