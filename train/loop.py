@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 from dflash_pipeline.shared.model.config import DFLASH2_KEYS, DFlashConfig
 from dflash_pipeline.shared.model.drafter import DFlashDrafter
@@ -360,21 +361,7 @@ class Trainer:
         with closing(
             device_batches(dataset, self.schedule[state.step : self.total_steps], workers, self.device)
         ) as batches:
-            while True:
-                try:  # the fetch too: its loader workers may be starting, not yet deaf to the group's signal
-                    fetched = next(batches, None)
-                    if fetched is None:
-                        break
-                    epoch, k, batch = fetched
-                    result = self.train_step(ddp, batch)
-                except Exception as exc:
-                    if not stop_requested():
-                        raise
-                    bar.close()  # the signal reached the step's helpers too (loader or compile workers): it cannot end
-                    raise TrainingStopped(
-                        f"stopped by {stop_cause()} during step {state.step + 1:,} of {self.total_steps:,}, which its "
-                        f"helper processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
-                    ) from exc
+            for epoch, k, batch, result in self.trained_steps(ddp, batches, bar):
                 state.step += 1
                 state.epoch, state.step_in_epoch = epoch, k + 1
                 state.last_loss = result.loss
@@ -401,6 +388,29 @@ class Trainer:
                     raise self.stopped()
         bar.close()
         return tau, rate
+
+    def trained_steps(
+        self, ddp: torch.nn.Module, batches: Iterator[tuple[int, int, dict[str, torch.Tensor]]], bar: tqdm
+    ) -> Iterator[tuple[int, int, dict[str, torch.Tensor], StepResult]]:
+        """(epoch, index in it, batch, its step's result) for each batch fetched. A fetch or step that
+        fails after a stop signal ends with the stop's line: the signal reached the step's helper
+        processes too (loader workers still starting, compile workers), so the step cannot end."""
+        while True:
+            try:
+                fetched = next(batches, None)
+                if fetched is None:
+                    return
+                epoch, k, batch = fetched
+                result = self.train_step(ddp, batch)
+            except Exception as exc:
+                if not stop_requested():
+                    raise
+                bar.close()
+                raise TrainingStopped(
+                    f"stopped by {stop_cause()} during step {self.state.step + 1:,} of {self.total_steps:,}, which "
+                    f"its helper processes did not survive ({type(exc).__name__}); {RESUME_HINT}"
+                ) from exc
+            yield epoch, k, batch, result
 
     def stopped(self) -> TrainingStopped:
         """What every rank raises once they agreed to stop: its line says how to go on."""
