@@ -12,9 +12,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from dflash_pipeline.shared.runtime.launch import die_with_parent
@@ -26,6 +29,7 @@ from .tokens import TokenizedSample, tokenize_record
 # records one worker must have to pay for its start (a spawned process imports transformers: ~2 s,
 # the time of ~700 records)
 RECORDS_PER_PROCESS = 1000
+SCRATCH_PREFIX = "dflash-tokenize-"  # then the host, the rank's pid and tempfile's random part
 
 _worker: dict[str, Any] = {}
 
@@ -58,7 +62,8 @@ def tokenize_many(
     # The tokenizer reaches the workers through a file: a spawned child reads its start arguments only
     # after importing the caller's main module (seconds: torch, transformers), and arguments larger than
     # a pipe's buffer (a pickled tokenizer is megabytes) would make each start wait for the one before.
-    with tempfile.TemporaryDirectory(prefix="dflash-tokenize-") as scratch:
+    remove_orphaned_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{socket.gethostname()}-{os.getpid()}-") as scratch:
         tokenizer_file = os.path.join(scratch, "tokenizer.pickle")
         with open(tokenizer_file, "wb") as f:
             pickle.dump(tokenizer, f)
@@ -69,6 +74,26 @@ def tokenize_many(
         ) as pool:
             for outcome in pool.imap(_attempt_in_worker, rest, chunksize=chunk):
                 yield DataError(*outcome) if isinstance(outcome, tuple) else outcome
+
+
+def remove_orphaned_scratch() -> None:
+    """Remove the tokenizer files that ranks of this host which no longer run left behind: a rank
+    killed (kill -9, the OOM killer) cannot remove its own, and a real tokenizer pickles to megabytes."""
+    host_prefix = f"{SCRATCH_PREFIX}{socket.gethostname()}-"
+    for scratch in Path(tempfile.gettempdir()).glob(f"{host_prefix}*"):
+        pid = scratch.name[len(host_prefix) :].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _attempt(record, tokenizer, max_length, chat_template_kwargs) -> TokenizedSample | DataError:

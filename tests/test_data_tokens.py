@@ -367,12 +367,17 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_worker_processes_die_with_the_process_that_started_them(tiny_target_dir, sample_corpus):
+def test_worker_processes_die_with_the_process_that_started_them(tiny_target_dir, sample_corpus, tmp_path, monkeypatch):
     """A rank can be killed while it holds its pool's task-queue lock (closing the pool takes it):
     by kill -9, the OOM killer, or the launcher when it does not end after another rank failed.
     Workers waiting for that lock never see their rank die. They must not outlive it: orphans would
     hold the run's stdout and stderr open (a pipe reading them never ends) and never exit. The rank
-    here dies holding that lock."""
+    here dies holding that lock. The tokenizer file it could not remove goes with the next pool
+    started on the host."""
+    import tempfile
+
+    from dflash_pipeline.data.tokenize_pool import tokenize_many
+
     script = (
         "import gc, multiprocessing as mp, multiprocessing.pool, sys, time\n"
         "from transformers import AutoTokenizer\n"
@@ -387,7 +392,10 @@ def test_worker_processes_die_with_the_process_that_started_them(tiny_target_dir
         "time.sleep(600)\n"
     )
     rank = subprocess.Popen(
-        [sys.executable, "-c", script, str(tiny_target_dir), str(sample_corpus)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script, str(tiny_target_dir), str(sample_corpus)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     workers = [int(pid) for pid in rank.stdout.readline().split()]
     assert len(workers) == 2
@@ -400,6 +408,13 @@ def test_worker_processes_die_with_the_process_that_started_them(tiny_target_dir
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left
+    left_behind = list(tmp_path.glob(f"dflash-tokenize-*-{rank.pid}-*/tokenizer.pickle"))
+    assert len(left_behind) == 1
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    records = list(iter_records(sample_corpus))[:3]
+    assert len(list(tokenize_many(records, hand_tokenizer(CHATML_TEMPLATE), 256, processes=2))) == 3
+    assert not left_behind[0].parent.exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_tokenizing_processes_are_the_ranks_share_of_the_cores_and_pay_for_their_start(monkeypatch):
