@@ -291,7 +291,8 @@ def test_a_stopped_extraction_node_says_so_and_the_other_names_why(
 def test_a_failed_node_stops_the_others_at_once_not_after_their_share(tiny_target_dir, tmp_path):
     """Node 1 cannot read --target (a relative path that exists on node 0 only: paths must be the same
     on every node). Node 0, with minutes of its share left on a large run, stops within a few heartbeats
-    and names the failed rank, instead of finding out at the end of its share."""
+    and names the failed rank, instead of finding out at the end of its share. Each node's torchrun
+    summary shows that node's line."""
     import shutil
 
     cwds = (tmp_path / "node0", tmp_path / "node1")
@@ -308,6 +309,9 @@ def test_a_failed_node_stops_the_others_at_once_not_after_their_share(tiny_targe
     assert rc0 == 1, err0[-3000:]
     assert "dflash-extract: error: rank 1 stopped with an error (see its output); rerun the same command" in err0
     assert not rank_progress(store).get(0, {}).get("done"), "node 0 did all of its share first"
+    # torchrun's failure summary shows each node's own line, not "error_file: <N/A>"
+    assert "traceback : dflash-extract: error: target: no such folder" in err1, err1[-3000:]
+    assert "traceback : dflash-extract: error: rank 1 stopped with an error" in err0, err0[-3000:]
 
 
 @pytest.mark.slow

@@ -276,3 +276,30 @@ def test_more_held_out_samples_than_the_store_has_is_one_line(store, tmp_path):
     samples = json.loads((store / "manifest.json").read_text())["data"]["counts"]["samples"]
     args = ["--store", str(store), "--out", str(tmp_path / "r"), *TRAIN_ARGS, "--eval-samples", str(samples)]
     fails(train_main, args, f"--eval-samples {samples}", f"the store has {samples}")
+
+
+def test_torchrun_agents_read_why_a_worker_ended(tmp_path, monkeypatch):
+    """Under torchrun a CLI also writes why it ends (its error line, a bug's traceback) where the agent
+    reads it: torchrun's own failure summary, parsed here by torch's reader, shows it."""
+    import click
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from dflash_pipeline.shared.runtime.errors import UserError, cli_errors
+
+    def command(exc: Exception):
+        @click.command()
+        @cli_errors("dflash-x")
+        def main() -> None:
+            raise exc
+
+        return main
+
+    def summary(exc: Exception) -> str:
+        error_file = tmp_path / f"{type(exc).__name__}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        CliRunner().invoke(command(exc), [])
+        return ChildFailedError("dflash-x", {0: ProcessFailure(0, 1, 1, str(error_file))}).format_msg()
+
+    assert "traceback : dflash-x: error: data.jsonl:3: no reply" in summary(UserError("data.jsonl:3: no reply"))
+    bug = summary(ZeroDivisionError("division by zero"))
+    assert "Traceback (most recent call last)" in bug and "ZeroDivisionError: division by zero" in bug

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +21,7 @@ import click
 from dflash_pipeline.shared.runtime.stop import StopSignal, signal_exit, signal_name, signal_of
 
 DEBUG_ENV = "DFLASH_DEBUG"
+TORCHRUN_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's agent reads why a worker failed
 
 
 class UserError(Exception):
@@ -87,16 +91,34 @@ def cli_errors(cli: str, stopped_hint: str = "") -> Callable[[Callable[..., Any]
                     raise
                 close_progress_bars()
                 how = f"stopped by {signal_name(signal_of(stop))}"
-                click.echo(f"{cli}: {how}" + (f"; {stopped_hint}" if stopped_hint else ""), err=True)
+                said = f"{cli}: {how}" + (f"; {stopped_hint}" if stopped_hint else "")
+                click.echo(said, err=True)
+                tell_torchrun(said)
                 sys.exit(signal_exit(signal_of(stop)))
             except Exception as exc:
                 line = first_line(exc) if isinstance(exc, RankFailed) else user_line(exc)
                 if line is None or debugging():
+                    tell_torchrun(traceback.format_exc().rstrip())
                     raise
                 close_progress_bars()
                 click.echo(f"{cli}: error: {line}", err=True)
+                tell_torchrun(f"{cli}: error: {line}")
                 sys.exit(1)
 
         return click.option("--debug", is_flag=True, help=f"Show tracebacks (also: {DEBUG_ENV}=1).")(main)
 
     return decorate
+
+
+def tell_torchrun(why: str) -> None:
+    """Under torchrun, write why this worker ends into the error file its agent reads: the agent's
+    failure summary then shows this line (or traceback) instead of "error_file: <N/A>"."""
+    path = os.environ.get(TORCHRUN_ERROR_FILE_ENV)
+    if not path:
+        return
+    record = {"message": {"message": why, "extraInfo": {"py_callstack": why, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass  # the summary is the agent's extra: the worker's own output says it already
