@@ -653,7 +653,8 @@ def test_sigterm_or_ctrl_c_to_the_group_the_launcher_or_a_rank_stops_every_gloo_
     """Two gloo ranks with a loader worker each, as `timeout` (the whole process group), `kill` of the
     launcher (which passes it on) or of one rank sends SIGTERM, or a terminal's Ctrl-C (SIGINT to the
     group): every rank stops after the same step, exit code 1 with one line naming it and no traceback,
-    that step's checkpoint written; the resumed run's losses are the uninterrupted run's."""
+    that step's checkpoint written; the resumed run's losses are the uninterrupted run's. The first rank
+    says at once what the signal does."""
     import re
 
     extra = ("--workers", "2", "--loader-workers", "1", "--max-steps", "40", "--checkpoint-every", "100")
@@ -687,6 +688,9 @@ def test_sigterm_or_ctrl_c_to_the_group_the_launcher_or_a_rank_stops_every_gloo_
         cause = "Ctrl-C" if target == "ctrl-c" else "SIGTERM"
         line = re.search(rf"\ndflash-train: error: rank \d: stopped by {cause} after step (\d+) of \d+;", stderr)
         assert proc.returncode == 1 and line and "Traceback" not in stderr, stderr[-2000:]
+        # said at once by the host's first rank when it got the signal (rank 1 alone: nothing until the stop)
+        announced = f"\ndflash-train: {cause}: stopping after this step, with its checkpoint"
+        assert stderr.count(announced) == (0 if target == "rank 1" else 1), stderr[-2000:]
         step = int(line.group(1))
         assert (run / "checkpoints" / "latest").read_text() == f"step-{step:08d}"
         assert max(losses(run)) == step and not (run / "drafter").exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from dflash_pipeline.shared.runtime.stop import (
     STOP_SIGNALS,
     StoppedTogether,
     cause_of,
+    signal_name,
     stop_cause,
     stop_requested,
     stop_votes,
@@ -657,6 +659,12 @@ def lock_out_on_rank0(rank: int, cfg: TrainConfig, held: ExitStack) -> None:
         raise RunLockError(refusal[0])
 
 
+def stop_announcement(signum: int) -> str:
+    """What a stop signal does to a training run, said at once by each host's first rank."""
+    line = f"dflash-train: {signal_name(signum)}: stopping after this step, with its checkpoint"
+    return line + ("; press Ctrl-C again to stop at once, without it" if signum == signal.SIGINT else "")
+
+
 def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None, torchrun: bool = False) -> RankResult:
     """Body of one training process, spawned or (`torchrun`) started by torchrun. A process that spawns
     the ranks holds --out's run lock for them; under torchrun rank 0 takes it."""
@@ -673,7 +681,8 @@ def rank_entry(rank: int, world: int, cfg: TrainConfig, init_method: str | None,
     init_distributed(rank, world, device, init_method, cfg.collective_timeout)
     try:
         with ExitStack() as held:
-            held.enter_context(stopping_gracefully())
+            first_on_host = (int(os.environ.get("LOCAL_RANK", rank)) if torchrun else rank) == 0
+            held.enter_context(stopping_gracefully(announce=stop_announcement if first_on_host else None))
             cluster = None
             if dist.is_initialized():
                 cluster = held.enter_context(

@@ -103,10 +103,14 @@ def _restore(previous: dict[int, object]) -> None:
 
 
 @contextmanager
-def stopping_gracefully(forward_to: Callable[[], Iterable[int]] = tuple) -> Iterator[None]:
+def stopping_gracefully(
+    forward_to: Callable[[], Iterable[int]] = tuple, announce: Callable[[int], str] | None = None
+) -> Iterator[None]:
     """Record SIGTERM and Ctrl-C instead of dying by them, for the duration, and send them on to the
     processes `forward_to()` names (children that stop themselves, which this one then waits for).
-    Main thread only: elsewhere signals cannot be handled, and the defaults stay."""
+    `announce(signal)`: a line for stderr at the first signal, saying what happens now (the stop can
+    wait for a long step: a first compile takes minutes). Main thread only: elsewhere signals cannot
+    be handled, and the defaults stay."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -115,7 +119,10 @@ def stopping_gracefully(forward_to: Callable[[], Iterable[int]] = tuple) -> Iter
         for pid in forward_to():
             with suppress(ProcessLookupError):  # it ended since `forward_to` looked
                 os.kill(pid, signum)
+        first = not _received
         _record(signum)
+        if first and announce is not None:  # os.write: the handler may have cut a print to stderr short
+            os.write(2, f"\n{announce(signum)}\n".encode())
 
     _received.clear()
     previous = _set_handlers(record)
