@@ -71,9 +71,12 @@ class ReadStats:
     recovered: dict[str, int] = field(default_factory=dict)  # abandoned file -> records decoded first
     samples: int = 0  # records tokenized (tokenize_records)
     truncated: int = 0  # samples cut to max_length (tokenize_records)
+    first_skipped: str | None = None  # the first bad record's message, to show what was wrong
 
     def skip(self, error: DataError) -> None:
         self.skipped[error.reason] += 1
+        if self.first_skipped is None:
+            self.first_skipped = str(error)
 
     @property
     def skipped_total(self) -> int:
@@ -157,7 +160,8 @@ def _to_record(index: int, source: str, obj: Any, prompts: bool) -> Record:
         prompt = _content(obj["prompt"], f"{source}: prompt")
         return Record(index, source, messages=[{"role": "user", "content": prompt}])
     if not present:
-        raise DataError(f"{source}: record has none of 'messages', 'conversations', 'text'", "no_content_field")
+        fields = (*CONTENT_FIELDS, "prompt") if prompts else CONTENT_FIELDS
+        raise DataError(f"{source}: record has none of {', '.join(map(repr, fields))}", "no_content_field")
     if len(present) > 1:
         raise DataError(f"{source}: record has both {present[0]!r} and {present[1]!r}", "ambiguous_fields")
     kind = present[0]

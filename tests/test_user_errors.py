@@ -192,6 +192,20 @@ def test_a_training_run_given_as_the_drafter_is_refused_naming_the_drafter_to_pa
     fails(eval_main, eval_args(tiny_target_dir, stopped, small_corpus), f"its latest checkpoint, {checkpoint}")
 
 
+def test_prompts_without_one_usable_prompt_are_refused_saying_what_was_read(tiny_target_dir, drafter, tmp_path):
+    """A prompts file of the wrong kind (say a store's folder, or records without a prompt) is named
+    with what was read and the first bad record's own message, not a bare usage error."""
+    prompts = tmp_path / "prompts.jsonl"
+    reply_only = {"messages": [{"role": "assistant", "content": "Hello"}]}
+    prompts.write_text(json.dumps({"question": "Why?"}) + "\n" + json.dumps(reply_only) + "\n")
+    fails(
+        eval_main,
+        eval_args(tiny_target_dir, drafter, prompts),
+        f"{prompts}: no usable prompts (1 files; 1 records; 1 skipped (no_content_field=1); 1 open with a reply",
+        f"the first skipped: {prompts}:1: record has none of 'messages', 'conversations', 'text', 'prompt')",
+    )
+
+
 def test_trained_drafter_records_its_target(drafter, store):
     recorded = json.loads((drafter / IDENTITY_FILE).read_text())
     manifest = json.loads((store / "manifest.json").read_text())

@@ -127,11 +127,13 @@ class EvalConfig:
 def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> list[list[int]]:
     """Chat prompts with the generation prompt: a conversation that ends in a user turn (prompt-only
     records: OpenAI/ShareGPT without replies, `{"prompt": ...}`) whole, one with replies up to its
-    first assistant turn; plain text records as they are."""
-    from dflash_pipeline.data.records import iter_records
+    first assistant turn; plain text records as they are. None usable is a `UserError` saying what
+    was read."""
+    from dflash_pipeline.data.records import ReadStats, iter_records
 
     prompts: list[list[int]] = []
-    for record in iter_records(path, skip_bad=True, prompts=True):
+    stats, replies_first = ReadStats(), 0
+    for record in iter_records(path, skip_bad=True, stats=stats, prompts=True):
         if len(prompts) >= limit:
             break
         if record.messages:
@@ -140,12 +142,20 @@ def prompts_from(path: str, tokenizer, limit: int, max_prompt_tokens: int) -> li
             if roles[-1] != "user":
                 head = head[: roles.index("assistant")] if "assistant" in roles else []
             if not head:
+                replies_first += 1
                 continue
             ids = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
             ids = tokenizer(record.text)["input_ids"]
         prompts.append(list(ids)[-max_prompt_tokens:])
+    if not prompts:
+        why = [stats.summary()]
+        if replies_first:
+            why.append(f"{replies_first} open with a reply, with no prompt before it")
+        if stats.first_skipped:
+            why.append(f"the first skipped: {stats.first_skipped}")
+        raise UserError(f"{path}: no usable prompts ({'; '.join(why)})")
     return prompts
 
 
@@ -195,8 +205,6 @@ def evaluate(cfg: EvalConfig) -> dict:
     check_drafter_fits(drafter.config, drafter_path, target_path, target_config)
     tokenizer = load_tokenizer(target_path)
     prompts = prompts_from(prompts_path, tokenizer, cfg.limit, cfg.max_prompt_tokens)
-    if not prompts:
-        raise click.UsageError(f"{prompts_path}: no usable prompts")
     head = report_head(cfg, dev, torch_dtype, drafter)
     mine = range(cfg.shard, len(prompts), cfg.shards)  # the prompts this process decodes, by index
     # --resume: a report of another run is refused before the target's weights are read
