@@ -760,9 +760,10 @@ def profile_prefill(model, conversations: list[Conversation], n: int, args, devi
 def profile_decode(model, rows: int, context: int, args, device, kv_cache_dtype: str | None = None) -> dict:
     """One decode step of `rows` rows at `context` cached tokens each, eager (no CUDA graph, so the
     profiler sees every kernel): its unprofiled wall time, then torch.profiler's device time by
-    operator. The step's device time against the graph step the engine runs shows what launches
-    cost; its split (matmuls, attention, the rest) against the roofline shows where the step is
-    slow (inputs: `decode_inputs`)."""
+    kernel (CPU time by operator off CUDA). The step's device time against the graph step the engine
+    runs shows what launches cost; its split (matmuls, attention, the rest) against the roofline
+    shows where the step is slow (inputs: `decode_inputs`)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     decoder, tokens, positions, table = decode_inputs(model, rows, context, args, device, kv_cache_dtype)
@@ -784,7 +785,10 @@ def profile_decode(model, rows: int, context: int, args, device, kv_cache_dtype:
             step()
             sync(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+    events = prof.key_averages()
+    if device.type == "cuda":  # the kernels alone: an operator's self device time counts its kernels again
+        events = [e for e in events if e.device_type == DeviceType.CUDA]
+    events = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)
     device_ms = sum(getattr(e, key, 0) for e in events) / 1e3
     return {
         "rows": rows,
