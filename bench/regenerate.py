@@ -1122,7 +1122,7 @@ def parse_args(argv=None):
         default=650,
         help="cached tokens per row of --profile-decode and --overlap-rows",
     )
-    ap.add_argument("--profile-top", type=int, default=12, help="operators listed by --profile-prefill")
+    ap.add_argument("--profile-top", type=int, default=12, help="rows listed by --profile-prefill and --profile-decode")
     ap.add_argument(
         "--compare-rows", type=int, default=64, help="greedy engine vs HF token agreement over the first N requests"
     )
