@@ -101,8 +101,9 @@ def cli_errors(cli: str, stopped_hint: str = "") -> Callable[[Callable[..., Any]
                     tell_torchrun(traceback.format_exc().rstrip())
                     raise
                 close_progress_bars()
-                click.echo(f"{cli}: error: {line}", err=True)
-                tell_torchrun(f"{cli}: error: {line}")
+                said = f"{cli}: error: {line}"
+                click.echo(said, err=True)
+                tell_torchrun(said)
                 sys.exit(1)
 
         return click.option("--debug", is_flag=True, help=f"Show tracebacks (also: {DEBUG_ENV}=1).")(main)
